@@ -1,0 +1,28 @@
+# `make demo` and `make test` each set up everything on a fresh machine, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench fuzz clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build first, pinned, so pip never pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/compare.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

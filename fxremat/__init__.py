@@ -1,0 +1,42 @@
+"""fxremat: train a PyTorch model inside a memory budget.
+
+A graph-level rematerialization pass for ``torch.compile``: it captures the
+joint forward+backward graph, prices every activation, and chooses what to
+keep and what to recompute so the step's peak memory fits a budget in bytes
+at the least recompute time.
+
+Example:
+    >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "2GiB"})
+    >>> compiled(x).sum().backward()
+    >>> print(fxremat.plans()[-1])
+"""
+
+from .backend import backend
+from .budget import BudgetError, format_bytes, parse_budget
+from .options import Options
+from .plan import Plan, clear_plans, plans
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backend",
+    "BudgetError",
+    "Options",
+    "Plan",
+    "plans",
+    "clear_plans",
+    "parse_budget",
+    "format_bytes",
+    "measure",
+    "Measurement",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # measure pulls in the profiler; load it only when asked for.
+    if name in ("measure", "Measurement"):
+        from . import measure as _measure
+
+        return getattr(_measure, name)
+    raise AttributeError(f"module 'fxremat' has no attribute {name!r}")

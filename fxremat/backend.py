@@ -1,0 +1,155 @@
+"""The torch.compile backend: options, registration, inner compilers.
+
+``torch.compile(model, backend="fxremat", options={...})`` finds
+``fxremat_backend`` through the ``torch_dynamo_backends`` entry point, so no
+import of fxremat is needed. ``fxremat.backend(budget=...)`` returns the same
+backend with options bound, for code that prefers a callable.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ._torch_compat import (
+    BoxedCodeGen,
+    CustomPartitionerFn,
+    aot_autograd,
+    compile_fx,
+    partitioners,
+    torch_version_ok,
+)
+from .budget import BudgetError
+from .options import Options
+from .passes.partition import partition
+
+__all__ = ["backend", "fxremat_backend", "FxrematPartitioner"]
+
+log = logging.getLogger("fxremat")
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """Hash of fxremat's own sources: a new version never reuses an old cached plan."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class FxrematPartitioner(CustomPartitionerFn):
+    """fxremat's partitioner in Inductor's ``custom_partitioner_fn`` slot.
+
+    ``uuid()`` covers every option that changes the plan and fxremat's source,
+    so Inductor's FX graph cache never serves a plan made for other options.
+    """
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
+        return _partition_guarded(gm, joint_inputs, self.options, **kwargs)
+
+    def uuid(self) -> str:
+        return hashlib.sha256((self.options.key() + _source_hash()).encode()).hexdigest()
+
+
+def _partition_guarded(gm, joint_inputs, options: Options, **kwargs):
+    """Run the partitioner; on an unexpected failure raise with context, or fall back."""
+    try:
+        return partition(gm, joint_inputs, options=options, **kwargs)
+    except BudgetError:
+        raise
+    except Exception as exc:
+        if options.on_error != "fallback":
+            raise RuntimeError(
+                f"fxremat failed while planning a graph of {len(gm.graph.nodes)} nodes: {type(exc).__name__}: {exc}. "
+                "Pass options={'on_error': 'fallback'} to use PyTorch's partitioner for such graphs instead."
+            ) from exc
+        warnings.warn(
+            f"fxremat failed while planning a graph ({type(exc).__name__}: {exc}); "
+            "using PyTorch's min-cut partitioner for this graph (on_error='fallback')",
+            stacklevel=2,
+        )
+        kwargs.pop("compiler", None)
+        return partitioners.min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def _eager_compiler(gm: fx.GraphModule, example_inputs) -> Callable:
+    """Run an fx graph as Python code in the boxed convention (inputs die at last use)."""
+    gm.graph.set_codegen(BoxedCodeGen())
+    gm.recompile()
+
+    def run(args):
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile(gm: fx.GraphModule, example_inputs, options: Options):
+    if not torch_version_ok():
+        warnings.warn(f"fxremat is tested with torch >=2.13,<2.15; this is torch {torch.__version__}", stacklevel=2)
+    partitioner = FxrematPartitioner(options)
+    if options.inner == "eager":
+        inner = aot_autograd(
+            fw_compiler=_eager_compiler,
+            bw_compiler=_eager_compiler,
+            partition_fn=functools.partial(_partition_guarded, options=options),
+            keep_inference_input_mutations=True,
+        )
+        return inner(gm, example_inputs)
+    return compile_fx.compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def fxremat_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """The ``"fxremat"`` backend that ``torch.compile`` finds by name.
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs.
+        options: the ``options=`` mapping of ``torch.compile`` (see ``fxremat.Options``).
+        mode: ignored (``torch.compile``'s mode presets belong to Inductor).
+
+    Returns:
+        The compiled callable.
+    """
+    return _compile(gm, example_inputs, Options.from_mapping(options))
+
+
+def backend(budget: int | str | None = None, **options: Any) -> Callable:
+    """A torch.compile backend that plans recomputation under ``budget``.
+
+    Args:
+        budget: peak bytes of the step's activations, temporaries and gradients:
+            an int, a string with a unit (``"2GiB"``, ``"512MiB"``, ``"1.5GB"``),
+            or None for the fastest plan. ``FXREMAT_BUDGET`` is read when None
+            and the variable is set.
+        **options: ``inner`` ("inductor" or "eager"), ``solver``, ``hardware``,
+            ``on_infeasible`` ("error" or "min"), ``on_error`` ("raise" or
+            "fallback"), ``time_limit``, ``dump_dir``.
+
+    Returns:
+        A backend for ``torch.compile(model, backend=...)``.
+
+    Example:
+        >>> compiled = torch.compile(model, backend=fxremat.backend(budget="2GiB", inner="eager"))
+        >>> compiled(x).sum().backward()
+    """
+    mapping = dict(options)
+    if budget is not None:
+        mapping["budget"] = budget
+    opts = Options.from_mapping(mapping)
+
+    def fxremat(gm: fx.GraphModule, example_inputs):
+        return _compile(gm, example_inputs, opts)
+
+    fxremat.options = opts  # type: ignore[attr-defined]
+    return fxremat

@@ -1,0 +1,116 @@
+"""Parse and validate memory budgets. Inside fxremat a budget is an int of bytes.
+
+Accepted forms, parsed once at the edge:
+- ``None``: no memory target, the fastest plan;
+- a positive ``int`` number of bytes (``2 * 2**30``);
+- a string with a unit, SI or IEC, case-insensitive: ``"512MiB"``, ``"1.5GB"``,
+  ``"2GiB"``, ``"800kB"``, ``"1e9B"``; a bare number string is bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from ._torch_compat import ShortenTraceback
+
+__all__ = ["parse_budget", "budget_from_env", "format_bytes", "ENV_BUDGET", "BudgetError"]
+
+ENV_BUDGET = "FXREMAT_BUDGET"
+
+# SI units are powers of 1000, IEC units powers of 1024 (IEC 80000-13).
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_FORMS = 'a positive int of bytes, or a string with a unit such as "512MiB", "1.5GB", "2GiB" or "800kB" (SI: kB MB GB TB; IEC: KiB MiB GiB TiB), or None for no limit'
+
+
+class BudgetError(ValueError, ShortenTraceback):
+    """The budget is below the least peak any plan reaches.
+
+    A ``ValueError``. (It also derives from Dynamo's ``ShortenTraceback`` only so
+    that ``torch.compile`` lets it through unwrapped.)
+
+    Attributes:
+        budget: the budget asked for, in bytes.
+        least_peak: the least predicted peak fxremat found, in bytes.
+    """
+
+    def __init__(self, budget: int, least_peak: int, where: str = "") -> None:
+        self.budget = budget
+        self.least_peak = least_peak
+        self.first_useful_frame = None
+        place = f" for {where}" if where else ""
+        ValueError.__init__(
+            self,
+            f"budget {budget} bytes ({format_bytes(budget)}) is below the least reachable peak{place}: "
+            f"{least_peak} bytes ({format_bytes(least_peak)}). Raise the budget to at least "
+            f"{format_bytes(least_peak)}, shrink the batch or sequence, or pass on_infeasible='min' "
+            f"to use the least-memory plan with a warning."
+        )
+
+
+def format_bytes(n: int | float) -> str:
+    """Human form of a byte count in IEC units: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    n = float(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_budget(value: object, *, name: str = "budget") -> int | None:
+    """Turn a user's budget into an int of bytes.
+
+    Args:
+        value: ``None``, a positive int of bytes, or a string with a unit.
+        name: what to call the value in error messages (an option or variable name).
+
+    Returns:
+        The budget in bytes, or None for no limit.
+
+    Raises:
+        TypeError: for a bool, float or other type.
+        ValueError: for zero, negative, NaN or unparseable values.
+
+    Example:
+        >>> parse_budget("1.5GiB")
+        1610612736
+        >>> parse_budget("800kB")
+        800000
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} is a bool; expected {_FORMS}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be positive; expected {_FORMS}")
+        return value
+    if isinstance(value, float):
+        hint = " A float in (0, 1] looks like a fraction of memory; fxremat budgets are bytes." if 0 < value <= 1 else ""
+        raise TypeError(f"{name}={value!r} is a float; expected {_FORMS}.{hint}")
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} has type {type(value).__name__}; expected {_FORMS}")
+    match = _PATTERN.match(value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}={value!r} cannot be parsed; expected {_FORMS}")
+    number = float(match.group(1))
+    nbytes = number * _UNITS[match.group(2).lower()]
+    if not math.isfinite(nbytes) or nbytes < 1:
+        raise ValueError(f"{name}={value!r} must be at least one byte; expected {_FORMS}")
+    return int(nbytes)
+
+
+def budget_from_env() -> int | None:
+    """The budget in ``FXREMAT_BUDGET``, or None when unset or empty."""
+    raw = os.environ.get(ENV_BUDGET, "").strip()
+    if not raw:
+        return None
+    return parse_budget(raw, name=f"environment variable {ENV_BUDGET}")

@@ -1,0 +1,198 @@
+"""The partitioner: joint graph in, planned forward and backward out.
+
+Runs the passes in one direction: stock tag passes -> cost -> problem ->
+solver -> apply -> simulate, and tightens the solver's target while the
+simulated peak of the real programs exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch.fx as fx
+
+from .._torch_compat import functorch_config, fx_graph_cse, partitioners
+from ..budget import BudgetError, format_bytes
+from ..options import Options
+from ..plan import Plan, ValueRecord, next_graph_name, record
+from ..solvers.registry import solve
+from ..solvers.types import SolveOptions
+from ..solvers.types import BACKWARD, Decision
+from .apply import apply_decision
+from .cost import NodeCost, annotate, get_hardware
+from .problem import ProblemGraph, build_problem, is_tangent
+from .simulate import simulate
+
+__all__ = ["partition", "TIGHTEN_ROUNDS"]
+
+log = logging.getLogger("fxremat")
+
+# The abstract schedule and the real programs agree up to details the problem
+# does not model (getitem placement, views of graph inputs); a few rounds of
+# tightening the solver's target by the observed excess close that gap.
+TIGHTEN_ROUNDS = 4
+
+
+def _prepare(joint: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
+    """The stock partitioner's preparation: DCE, CSE, tag clean-up, forced saves."""
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+    if functorch_config.cse:
+        joint.graph = fx_graph_cse(joint.graph)
+        joint.recompile()
+    recomputes_rng = False
+    if partitioners.has_recomputable_ops(joint):
+        recomputes_rng = partitioners.has_recomputable_rng_ops(joint)
+        joint = partitioners.cleanup_recompute_tags(joint, is_default_partition=False)
+    if not functorch_config.unsafe_allow_optimization_of_collectives:
+        partitioners.force_save_collectives(joint)
+    partitioners.force_save_effectful_ops(joint)
+    partitioners.force_save_bw_mutation_src(joint)
+    return joint, recomputes_rng
+
+
+def _records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], ids) -> tuple[ValueRecord, ...]:
+    out = []
+    for i in ids:
+        node = pg.nodes[i]
+        c = costs[node]
+        nbytes = costs[c.owner].nbytes if c.owner in costs else 0
+        out.append(ValueRecord(node.name, c.op, c.module, nbytes if c.owner is node else 0, c.flops, c.seconds))
+    return tuple(out)
+
+
+def _saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
+    """Kept forward nodes, plus the graph inputs the backward reads (they cost nothing:
+    they exist before the step, but the backward can only see what the forward hands it)."""
+    problem = pg.problem
+    readers = [pg.nodes[i] for i in range(problem.size) if problem.phase[i] == BACKWARD]
+    readers += [pg.nodes[i] for i in decision.recomputed]
+    inputs = {a for n in readers for a in n.all_input_nodes if a.op == "placeholder" and not is_tangent(a)}
+    graph_inputs = [n for n in pg.nodes[0].graph.nodes if n in inputs]
+    return graph_inputs + [pg.nodes[i] for i in decision.kept]
+
+
+def partition(
+    joint: fx.GraphModule,
+    joint_inputs,
+    *,
+    options: Options,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    **_ignored,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Partition AOTAutograd's joint graph under ``options.budget``.
+
+    Args:
+        joint: the joint forward+backward graph.
+        joint_inputs: example inputs of the joint graph (unused: meta carries shapes).
+        options: validated fxremat options.
+        num_fwd_outputs: how many joint outputs belong to the forward.
+        static_lifetime_input_indices: inputs with static lifetime (parameters).
+
+    Returns:
+        (forward, backward) GraphModules, and records a Plan (``fxremat.plans()``).
+
+    Raises:
+        BudgetError: no plan fits and ``options.on_infeasible == "error"``.
+    """
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    joint, recomputes_rng = _prepare(joint)
+    info = partitioners.classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
+    if len(info.required_bw_nodes) == 0:
+        # Nothing needs a backward (e.g. no input requires grad): nothing to plan.
+        return partitioners.default_partition(
+            joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices or [],
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+        )
+    hardware = get_hardware(options.hardware)
+    costs = annotate(joint, hardware)
+    timings["cost"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs)
+    timings["problem"] = time.perf_counter() - t1
+    problem = pg.problem
+    solve_options = SolveOptions(time_limit=options.time_limit)
+    graph_name = next_graph_name()
+
+    t2 = time.perf_counter()
+    fastest = solve(problem, None, "save_all", solve_options)
+    target = options.budget
+    decision: Decision | None = None
+    fw = bw = sim = None
+    note = ""
+    for _ in range(TIGHTEN_ROUNDS):
+        decision = solve(problem, target, options.solver, solve_options)
+        if not decision.feasible:
+            break
+        fw, bw = apply_decision(
+            joint, _saved_nodes(pg, decision), num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
+        )
+        sim = simulate(fw, bw, num_fwd_outputs, hardware)
+        if options.budget is None or sim.peak <= options.budget:
+            break
+        # The real programs peak higher than the abstract schedule said: aim lower.
+        target = target - (sim.peak - options.budget) - 1
+        if target <= 0:
+            break
+    solve_seconds = time.perf_counter() - t2
+    assert decision is not None
+    fits = decision.feasible and sim is not None and (options.budget is None or sim.peak <= options.budget)
+    if not fits:
+        least = solve(problem, 1, options.solver, solve_options)
+        fw, bw = apply_decision(
+            joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
+        )
+        sim = simulate(fw, bw, num_fwd_outputs, hardware)
+        if options.on_infeasible == "error":
+            raise BudgetError(options.budget, sim.peak, where=graph_name)
+        decision = least
+        note = (
+            f"budget {format_bytes(options.budget)} is below the least reachable peak "
+            f"{format_bytes(sim.peak)}; using the least-memory plan (on_infeasible='min')"
+        )
+        warnings.warn(f"fxremat {graph_name}: {note}", stacklevel=2)
+    if decision.note:
+        note = f"{note}; {decision.note}" if note else decision.note
+    timings["solve"] = solve_seconds
+    timings["total"] = time.perf_counter() - t0
+    recomputed = _records(pg, costs, decision.recomputed)
+    plan = Plan(
+        graph=graph_name,
+        budget=options.budget,
+        predicted_peak=sim.peak,
+        saved_bytes=sim.saved_bytes,
+        recompute_flops=sum(r.flops for r in recomputed),
+        recompute_seconds=decision.recompute_seconds,
+        solver=decision.solver,
+        solve_seconds=solve_seconds,
+        kept=_records(pg, costs, decision.kept),
+        recomputed=recomputed,
+        fastest_peak=fastest.peak_bytes,
+        grad_bytes=sim.grad_bytes,
+        tangent_bytes=sim.tangent_bytes,
+        output_bytes=sim.output_bytes,
+        feasible=fits,
+        gap=decision.gap,
+        note=note,
+        pass_seconds=timings,
+        num_nodes=problem.size,
+    )
+    record(plan)
+    log.info(
+        "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
+        graph_name, problem.size, "none" if options.budget is None else format_bytes(options.budget),
+        format_bytes(plan.predicted_peak), format_bytes(plan.saved_bytes), len(recomputed),
+        plan.recompute_seconds * 1e3, plan.solver, solve_seconds * 1e3,
+    )
+    if options.dump_dir:
+        from ..dump import save_plan  # viz deps are optional; only where the user asked for files
+
+        save_plan(plan, options.dump_dir, fw=fw, bw=bw)
+    return fw, bw

@@ -1,0 +1,158 @@
+"""Reduce AOTAutograd's joint graph to a plain ``RematProblem``.
+
+Node ids are positions among the joint graph's call_function nodes and tangent
+placeholders, in graph (topological) order. Graph inputs other than tangents
+are not nodes: they exist before the step whatever the plan.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .._torch_compat import is_sym_node
+from ..solvers.types import BACKWARD, FORWARD, RematProblem
+from .cost import NodeCost
+
+__all__ = ["ProblemGraph", "build_problem", "is_tangent", "never_recompute_reason"]
+
+
+@dataclass(frozen=True)
+class ProblemGraph:
+    """A problem and the fx nodes its ids stand for."""
+
+    problem: RematProblem
+    nodes: tuple[fx.Node, ...]
+
+    def ids(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.nodes)}
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def never_recompute_reason(node: fx.Node) -> str | None:
+    """Why a forward node may not run a second time in the backward, or None."""
+    target = node.target
+    if target is operator.getitem:
+        return None
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random op (its RNG state is not replayed)"
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return "mutates its input"
+    if getattr(target, "namespace", None) == "_c10d_functional":
+        return "collective"
+    if node.op == "call_function" and node.is_impure():
+        return "has side effects"
+    if node.meta.get("partitioner_tag") == "must_be_in_forward":
+        return "must run in the forward"
+    return None
+
+
+def _layers(nodes: list[fx.Node], forward: set[fx.Node]) -> dict[fx.Node, int]:
+    """Index of the repeated block each forward node belongs to.
+
+    The repeated block is the module class with at least two instances whose
+    instances together contain the most forward nodes (a transformer layer, a
+    ResNet stage block); instances are numbered in order of first appearance.
+    """
+    instances: dict[str, dict[str, int]] = {}  # class -> {path: covered count}
+    for node in nodes:
+        if node not in forward:
+            continue
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            cls_name = getattr(cls, "__qualname__", str(cls))
+            paths = instances.setdefault(cls_name, {})
+            paths[path] = paths.get(path, 0) + 1
+    best, best_cover = None, 0
+    for cls_name in sorted(instances):
+        paths = instances[cls_name]
+        cover = sum(paths.values())
+        if len(paths) >= 2 and cover > best_cover:
+            best, best_cover = cls_name, cover
+    if best is None:
+        return {}
+    order: dict[str, int] = {}
+    layer: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node not in forward:
+            continue
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if getattr(cls, "__qualname__", str(cls)) == best:
+                layer[node] = order.setdefault(path, len(order))
+                break
+    return layer
+
+
+def build_problem(
+    joint: fx.GraphModule,
+    forward_nodes: set[fx.Node],
+    costs: dict[fx.Node, NodeCost],
+    num_fwd_outputs: int,
+) -> ProblemGraph:
+    """Build the plain problem for a joint graph.
+
+    Args:
+        joint: AOTAutograd's joint graph (after the stock tag passes).
+        forward_nodes: nodes the forward must run (PyTorch's ``required_fw_nodes``).
+        costs: the cost pass's table for ``joint``.
+        num_fwd_outputs: how many of the joint graph's outputs belong to the forward.
+
+    Returns:
+        The problem and the fx node behind each id.
+    """
+    nodes = [n for n in joint.graph.nodes if n.op == "call_function" or is_tangent(n)]
+    ids = {n: i for i, n in enumerate(nodes)}
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    fw_outputs = sorted({ids[o] for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node) and o in ids})
+    bw_outputs = sorted({ids[o] for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node) and o in ids})
+    layer_of = _layers(nodes, forward_nodes)
+
+    phase, inputs, nbytes, storage, seconds, flops = [], [], [], [], [], []
+    must_save, never, must_recompute, layer = [], [], [], []
+    for i, n in enumerate(nodes):
+        fwd = n in forward_nodes
+        phase.append(FORWARD if fwd else BACKWARD)
+        inputs.append(tuple(sorted({ids[a] for a in n.all_input_nodes if a in ids})))
+        cost = costs[n]
+        owner = cost.owner
+        storage.append(ids[owner] if owner in ids else i)
+        # A value aliasing a graph input (a parameter's view) allocates nothing.
+        nbytes.append(cost.nbytes if owner is n else 0)
+        seconds.append(cost.seconds)
+        flops.append(cost.flops)
+        layer.append(layer_of.get(n, -1))
+        if not fwd:
+            continue
+        policy = n.meta.get("recompute")
+        if is_sym_node(n) or policy == CheckpointPolicy.MUST_SAVE:
+            must_save.append(i)
+        if is_sym_node(n) or never_recompute_reason(n) is not None:
+            never.append(i)
+        elif policy == CheckpointPolicy.MUST_RECOMPUTE:
+            must_recompute.append(i)
+    problem = RematProblem(
+        names=tuple(n.name for n in nodes),
+        phase=tuple(phase),
+        inputs=tuple(inputs),
+        nbytes=tuple(nbytes),
+        storage=tuple(storage),
+        seconds=tuple(seconds),
+        flops=tuple(flops),
+        fw_outputs=tuple(fw_outputs),
+        bw_outputs=tuple(bw_outputs),
+        tangents=tuple(ids[n] for n in nodes if is_tangent(n)),
+        must_save=tuple(must_save),
+        never_recompute=tuple(never),
+        must_recompute=tuple(must_recompute),
+        layer=tuple(layer),
+    )
+    return ProblemGraph(problem, tuple(nodes))

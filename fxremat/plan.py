@@ -1,0 +1,142 @@
+"""The Plan: what fxremat chose for one compiled graph, and a readable report."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .budget import format_bytes
+
+__all__ = ["ValueRecord", "Plan", "plans", "clear_plans"]
+
+
+@dataclass(frozen=True)
+class ValueRecord:
+    """One forward value the plan keeps or recomputes."""
+
+    name: str
+    op: str
+    module: str
+    nbytes: int
+    flops: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan chosen for one graph.
+
+    Attributes:
+        graph: a name for the graph (``"graph 0"``, ...).
+        budget: the budget in bytes, or None for the fastest plan.
+        predicted_peak: peak bytes of the step from liveness simulation of the
+            exact forward and backward programs (above the pre-step baseline).
+        saved_bytes: bytes saved from the forward for the backward.
+        recompute_flops / recompute_seconds: cost of the recomputation (estimated).
+        solver: which solver produced the decision.
+        solve_seconds: time spent choosing (solver loop only).
+        kept / recomputed: per-value records, in graph order.
+        fastest_peak: predicted peak of the fastest plan (nothing recomputed when possible).
+        grad_bytes / tangent_bytes / output_bytes: parts of the peak that no plan changes.
+        feasible: False when the budget could not be met and on_infeasible="min".
+        note: anything a user should know.
+        pass_seconds: time of each pass, by name.
+    """
+
+    graph: str
+    budget: int | None
+    predicted_peak: int
+    saved_bytes: int
+    recompute_flops: int
+    recompute_seconds: float
+    solver: str
+    solve_seconds: float
+    kept: tuple[ValueRecord, ...]
+    recomputed: tuple[ValueRecord, ...]
+    fastest_peak: int = 0
+    grad_bytes: int = 0
+    tangent_bytes: int = 0
+    output_bytes: int = 0
+    feasible: bool = True
+    gap: float | None = None
+    note: str = ""
+    pass_seconds: dict = field(default_factory=dict)
+    num_nodes: int = 0
+
+    def summary(self) -> str:
+        """One line: budget, predicted peak, kept and recomputed totals, solver."""
+        budget = "none (fastest plan)" if self.budget is None else format_bytes(self.budget)
+        return (
+            f"{self.graph}: budget {budget}, predicted peak {format_bytes(self.predicted_peak)}, "
+            f"saved {format_bytes(self.saved_bytes)} in {len(self.kept)} values, "
+            f"recomputed {len(self.recomputed)} values ({self.recompute_flops / 1e9:.3f} GFLOP, "
+            f"~{self.recompute_seconds * 1e3:.2f} ms), solver {self.solver} in {self.solve_seconds * 1e3:.0f} ms"
+        )
+
+    def by_module(self) -> list[tuple[str, int, int, int, float]]:
+        """Rows (module, kept bytes, recomputed bytes, recompute FLOPs, recompute seconds)."""
+        rows: dict[str, list] = {}
+        for rec in self.kept:
+            rows.setdefault(rec.module or "<top>", [0, 0, 0, 0.0])[0] += rec.nbytes
+        for rec in self.recomputed:
+            row = rows.setdefault(rec.module or "<top>", [0, 0, 0, 0.0])
+            row[1] += rec.nbytes
+            row[2] += rec.flops
+            row[3] += rec.seconds
+        return [(m, *rows[m]) for m in rows]
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.note:
+            lines.append(f"note: {self.note}")
+        header = f"{'module':<40} {'kept':>12} {'recomputed':>12} {'recompute GFLOP':>16} {'est. ms':>9}"
+        lines += ["", header, "-" * len(header)]
+        for module, kept, rec, flops, secs in self.by_module():
+            lines.append(f"{module[-40:]:<40} {format_bytes(kept):>12} {format_bytes(rec):>12} {flops / 1e9:>16.4f} {secs * 1e3:>9.3f}")
+        lines += [
+            "",
+            "memory anatomy of the step (above what exists before it):",
+            f"  saved for backward      {format_bytes(self.saved_bytes):>12}",
+            f"  forward outputs         {format_bytes(self.output_bytes):>12}",
+            f"  gradient inputs         {format_bytes(self.tangent_bytes):>12}",
+            f"  gradients returned      {format_bytes(self.grad_bytes):>12}",
+            f"  predicted peak          {format_bytes(self.predicted_peak):>12}"
+            + ("" if self.budget is None else f"  (budget {format_bytes(self.budget)})"),
+            f"  fastest plan's peak     {format_bytes(self.fastest_peak):>12}",
+            "Weights, optimizer state and the gradients returned exist whatever the plan; remat only trades"
+            " saved activations for recompute time.",
+        ]
+        return "\n".join(lines)
+
+
+_LOCK = threading.Lock()
+_PLANS: list[Plan] = []
+
+
+def record(plan: Plan) -> None:
+    """Remember a plan made by the backend (see ``plans()``)."""
+    with _LOCK:
+        _PLANS.append(plan)
+
+
+def plans() -> list[Plan]:
+    """Every plan the backend made in this process, oldest first.
+
+    Example:
+        >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "1GiB"})
+        >>> compiled(x).sum().backward()
+        >>> print(fxremat.plans()[-1])
+    """
+    with _LOCK:
+        return list(_PLANS)
+
+
+def clear_plans() -> None:
+    """Forget the recorded plans."""
+    with _LOCK:
+        _PLANS.clear()
+
+
+def next_graph_name() -> str:
+    with _LOCK:
+        return f"graph {len(_PLANS)}"

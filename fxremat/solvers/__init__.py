@@ -1,0 +1,1 @@
+"""Solvers: pure functions (problem, budget, options) -> Decision. No torch here."""

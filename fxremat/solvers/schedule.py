@@ -1,0 +1,202 @@
+"""From a kept set to programs and a predicted peak, on the plain problem.
+
+``close`` derives what must be recomputed from what is kept (one function for
+every solver). ``programs`` orders the forward and backward the way
+``passes/apply.py`` orders the real graphs: the forward in topological order,
+the backward in topological order with each recomputed value inserted just
+before its first use. ``liveness`` replays a program, allocating each storage
+when its owner runs and freeing it after the last use of any alias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import BACKWARD, FORWARD, Decision, RematProblem
+
+__all__ = ["bw_reads", "close", "programs", "liveness", "Timeline", "evaluate", "decision"]
+
+
+def bw_reads(problem: RematProblem) -> tuple[int, ...]:
+    """Forward ids that some backward node reads, sorted."""
+    reads = {u for v in range(problem.size) if problem.phase[v] == BACKWARD for u in problem.inputs[v] if problem.phase[u] == FORWARD}
+    return tuple(sorted(reads))
+
+
+def close(problem: RematProblem, kept: set[int] | tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Complete a kept set into a valid (kept, recomputed) pair.
+
+    Every forward value the backward reads is kept or recomputed; recomputing a
+    value needs its inputs kept or recomputed. Values that cannot run twice
+    (``never_recompute``) and ``must_save`` values are kept when needed. Kept
+    values that the backward does not need are dropped (they would cost memory
+    for nothing).
+
+    Returns:
+        (kept, recomputed), both sorted tuples of forward ids.
+    """
+    kept_set = set(kept) | set(problem.must_save)
+    no_recompute = set(problem.never_recompute)
+    needed_kept: set[int] = set()
+    recomputed: set[int] = set()
+    stack = list(bw_reads(problem))
+    while stack:
+        v = stack.pop()
+        if v in needed_kept or v in recomputed:
+            continue
+        if v in kept_set or v in no_recompute:
+            needed_kept.add(v)
+            continue
+        recomputed.add(v)
+        stack.extend(u for u in problem.inputs[v] if problem.phase[u] == FORWARD)
+    return tuple(sorted(needed_kept)), tuple(sorted(recomputed))
+
+
+def _ancestors_within(problem: RematProblem, roots, allowed) -> set[int]:
+    seen: set[int] = set()
+    stack = [r for r in roots if r in allowed]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        stack.extend(u for u in problem.inputs[v] if u in allowed and u not in seen)
+    return seen
+
+
+def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Forward and backward programs (node ids in execution order).
+
+    The forward runs every forward node that a user output or a kept value
+    depends on, in topological order. The backward starts with the tangents;
+    then, from the first node that reads a tangent on, each node runs after
+    the nodes it needs that have not run yet (recomputed values and backward
+    nodes that do not depend on a tangent are pulled in just before their
+    first use). This is the order of PyTorch's
+    ``reordering_to_mimic_autograd_engine``, which ``passes/apply.py`` runs on
+    the real backward graph.
+    """
+    fw_nodes = {v for v in range(problem.size) if problem.phase[v] == FORWARD}
+    bw_nodes = {v for v in range(problem.size) if problem.phase[v] == BACKWARD}
+    forward = sorted(_ancestors_within(problem, list(problem.fw_outputs) + list(kept), fw_nodes))
+    tangents = [t for t in problem.tangents]
+    needed = _ancestors_within(problem, problem.bw_outputs, bw_nodes | set(recomputed)) - set(tangents)
+    tangent_set = set(tangents)
+    readers = [v for v in sorted(needed) if any(u in tangent_set for u in problem.inputs[v])]
+    done: set[int] = set(tangents)
+    backward: list[int] = list(tangents)
+    if not readers:
+        return tuple(forward), tuple(backward) + tuple(sorted(needed))
+    for v in sorted(needed):
+        if v < readers[0] or v in done:
+            continue
+        for u in sorted(_ancestors_within(problem, [v], needed - done)):
+            done.add(u)
+            backward.append(u)
+    return tuple(forward), tuple(backward)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Live bytes after each step of the forward then the backward program.
+
+    ``steps[i]`` is (node id, phase, live bytes right after the node's output is
+    allocated, before anything is freed). ``peak`` is the largest of them and of
+    the backward's starting point.
+    """
+
+    steps: tuple[tuple[int, int, int], ...]
+    peak: int
+    peak_step: int
+    kept_bytes: int
+
+
+def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
+    """Replay the two programs and return live bytes over time.
+
+    Counted: every storage a program allocates, from the node that allocates
+    it to the last use of any value aliasing it. Kept values live from the
+    forward to their last backward use; user outputs and gradients returned by
+    the backward live to the end of the step; tangents are allocated when the
+    backward starts.
+    """
+    storage = problem.storage
+    kept_set = set(kept)
+    pinned = {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
+    steps: list[tuple[int, int, int]] = []
+    live = 0
+    peak = 0
+    peak_step = -1
+
+    def last_uses(program):
+        pos = {v: i for i, v in enumerate(program)}
+        last: dict[int, int] = {}
+        for i, v in enumerate(program):
+            last[storage[v]] = max(last.get(storage[v], -1), i)
+            for u in problem.inputs[v]:
+                if u in pos or u in kept_set:
+                    last[storage[u]] = max(last.get(storage[u], -1), i)
+        return last
+
+    # Forward.
+    fw_last = last_uses(forward)
+    held = {storage[v] for v in kept_set} | pinned
+    alive: dict[int, int] = {}
+    frees: dict[int, list[int]] = {}
+    for s, i in fw_last.items():
+        if s not in held:
+            frees.setdefault(i, []).append(s)
+    for i, v in enumerate(forward):
+        if problem.nbytes[v] and storage[v] == v:
+            alive[v] = problem.nbytes[v]
+            live += problem.nbytes[v]
+        steps.append((v, FORWARD, live))
+        if live > peak:
+            peak, peak_step = live, len(steps) - 1
+        for s in frees.get(i, ()):
+            live -= alive.pop(s, 0)
+
+    kept_bytes = sum(alive.get(s, 0) for s in {storage[v] for v in kept_set})
+    # Backward: kept storages are freed after their last backward use.
+    bw_last = last_uses(backward)
+    frees = {}
+    for s, i in bw_last.items():
+        if s not in pinned:
+            frees.setdefault(i, []).append(s)
+    for s in list(alive):
+        if s not in pinned and s not in bw_last:
+            live -= alive.pop(s)
+    for i, v in enumerate(backward):
+        if problem.nbytes[v] and storage[v] == v:
+            alive[v] = problem.nbytes[v]
+            live += problem.nbytes[v]
+        steps.append((v, BACKWARD, live))
+        if live > peak:
+            peak, peak_step = live, len(steps) - 1
+        for s in frees.get(i, ()):
+            live -= alive.pop(s, 0)
+    return Timeline(tuple(steps), peak, peak_step, kept_bytes)
+
+
+def evaluate(problem: RematProblem, kept) -> tuple[tuple[int, ...], tuple[int, ...], int, float]:
+    """Close a kept set and simulate it: (kept, recomputed, peak bytes, recompute seconds)."""
+    kept_c, recomputed = close(problem, kept)
+    forward, backward = programs(problem, kept_c, recomputed)
+    peak = liveness(problem, forward, backward, kept_c).peak
+    return kept_c, recomputed, peak, sum(problem.seconds[v] for v in recomputed)
+
+
+def decision(problem: RematProblem, kept, budget: int | None, solver: str, solve_seconds: float = 0.0, gap: float | None = None, note: str = "") -> Decision:
+    """Build a Decision from a kept set: close it, simulate it, judge it against the budget."""
+    kept_c, recomputed, peak, seconds = evaluate(problem, kept)
+    return Decision(
+        kept=kept_c,
+        recomputed=recomputed,
+        peak_bytes=peak,
+        recompute_seconds=seconds,
+        feasible=budget is None or peak <= budget,
+        solver=solver,
+        solve_seconds=solve_seconds,
+        gap=gap,
+        note=note,
+    )

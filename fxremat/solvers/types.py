@@ -1,0 +1,121 @@
+"""Plain data types shared by every solver: the problem and the decision.
+
+Nothing here imports torch. A ``RematProblem`` is the joint forward+backward
+graph reduced to integers, floats and tuples; a ``Decision`` is what any solver
+or reference policy returns for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["FORWARD", "BACKWARD", "RematProblem", "Decision", "SolveOptions"]
+
+FORWARD = 0
+BACKWARD = 1
+
+
+@dataclass(frozen=True)
+class RematProblem:
+    """The joint graph as plain data. Node ids are positions in topological order.
+
+    Graph inputs (parameters, user inputs, RNG seeds) are not nodes: reading
+    them is free and they are never counted, because they exist before the
+    step whatever the plan.
+
+    Attributes:
+        names: node name per id (the fx node name), for reports.
+        phase: ``FORWARD`` or ``BACKWARD`` per id.
+        inputs: ids each node reads, in argument order (graph inputs omitted).
+        nbytes: bytes of the storage the node allocates (0 for views, aliases
+            and non-tensor values).
+        storage: id of the node that owns the storage the node's output lives
+            in (itself when it allocates).
+        seconds: estimated time to compute the node once.
+        flops: FLOPs to compute the node once.
+        fw_outputs: forward ids returned to the user (alive to the step's end).
+        bw_outputs: backward ids returned as gradients (alive to the step's end).
+        tangents: backward ids that are gradient inputs, allocated when the
+            backward starts.
+        must_save: forward ids that must be kept if the backward needs them
+            (user ``MUST_SAVE`` tags, outputs of effectful ops).
+        never_recompute: forward ids that cannot run twice (random ops without
+            RNG replay, mutations, effectful and collective ops).
+        must_recompute: forward ids that may not be kept (user ``MUST_RECOMPUTE``).
+        layer: index of the repeated block (e.g. transformer layer) a forward
+            node belongs to, or -1; used by the per-layer and sqrt(n) policies.
+    """
+
+    names: tuple[str, ...]
+    phase: tuple[int, ...]
+    inputs: tuple[tuple[int, ...], ...]
+    nbytes: tuple[int, ...]
+    storage: tuple[int, ...]
+    seconds: tuple[float, ...]
+    flops: tuple[int, ...]
+    fw_outputs: tuple[int, ...] = ()
+    bw_outputs: tuple[int, ...] = ()
+    tangents: tuple[int, ...] = ()
+    must_save: tuple[int, ...] = ()
+    never_recompute: tuple[int, ...] = ()
+    must_recompute: tuple[int, ...] = ()
+    layer: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for name in ("phase", "inputs", "nbytes", "storage", "seconds", "flops"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"RematProblem.{name} has {len(getattr(self, name))} entries, expected {n}")
+        if self.layer and len(self.layer) != n:
+            raise ValueError(f"RematProblem.layer has {len(self.layer)} entries, expected {n} or 0")
+        for v, ins in enumerate(self.inputs):
+            for u in ins:
+                if not 0 <= u < v:
+                    raise ValueError(f"node {v} ({self.names[v]}) reads {u}: inputs must precede their users")
+        for v, s in enumerate(self.storage):
+            if not 0 <= s <= v:
+                raise ValueError(f"node {v} ({self.names[v]}) lives in storage {s}: owners must precede aliases")
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    def is_forward(self, v: int) -> bool:
+        return self.phase[v] == FORWARD
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """Knobs every solver accepts. Defaults suit graphs of a few thousand nodes."""
+
+    time_limit: float = 10.0
+    """Seconds a solver may spend before returning its best feasible plan."""
+    progress: object = None
+    """Optional callable ``progress(done: int, total: int, message: str)``."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a solver chose: which forward values are kept and which recomputed.
+
+    Attributes:
+        kept: forward ids saved for the backward, sorted.
+        recomputed: forward ids recomputed in the backward, sorted.
+        peak_bytes: predicted peak of the step by liveness simulation.
+        recompute_seconds: estimated time of the recomputed nodes.
+        feasible: whether ``peak_bytes`` fits the budget it was solved for.
+        solver: the name of the solver that chose it.
+        solve_seconds: wall time spent solving.
+        gap: relative optimality gap where the solver knows one, else None.
+        note: one line on anything a user should know (time limit hit, ...).
+    """
+
+    kept: tuple[int, ...]
+    recomputed: tuple[int, ...]
+    peak_bytes: int
+    recompute_seconds: float
+    feasible: bool
+    solver: str
+    solve_seconds: float = 0.0
+    gap: float | None = None
+    note: str = field(default="")
