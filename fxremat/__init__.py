@@ -13,6 +13,7 @@ Example:
 
 from .backend import backend
 from .budget import BudgetError, format_bytes, parse_budget
+from .measure import Measurement, measure
 from .options import Options
 from .plan import Plan, clear_plans, plans
 
@@ -31,12 +32,3 @@ __all__ = [
     "Measurement",
     "__version__",
 ]
-
-
-def __getattr__(name: str):
-    # measure pulls in the profiler; load it only when asked for.
-    if name in ("measure", "Measurement"):
-        from . import measure as _measure
-
-        return getattr(_measure, name)
-    raise AttributeError(f"module 'fxremat' has no attribute {name!r}")

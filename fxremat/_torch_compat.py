@@ -27,6 +27,7 @@ __all__ = [
     "FakeTensor",
     "BoxedCodeGen",
     "ShortenTraceback",
+    "disable_current_modes",
 ]
 
 SUPPORTED_TORCH = (">=2.13", "<2.15")
@@ -55,6 +56,8 @@ from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
 from torch._C._profiler import _EventType as EventType  # noqa: E402
 # Dynamo re-raises this exception class unwrapped, so fxremat.BudgetError reaches users as itself.
 from torch._dynamo.exc import ShortenTraceback  # noqa: E402
+# Planning runs inside AOTAutograd's fake mode; measuring op scratch needs real tensors.
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
 # Fake tensors for planning without allocating (explain on meta / large models).
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.

@@ -56,13 +56,31 @@ class BudgetError(ValueError, ShortenTraceback):
         )
 
 
-def format_bytes(n: int | float) -> str:
-    """Human form of a byte count in IEC units: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
-    n = float(n)
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+def format_bytes(n: int) -> str:
+    """Format a byte count with binary units.
+
+    Args:
+        n: Number of bytes (may be negative).
+
+    Returns:
+        ``"800 B"`` below 1 KiB; otherwise the largest unit (KiB, MiB, GiB,
+        TiB) with a value of at least 1, with two decimals below 10 and one
+        from 10 up.
+
+    Example:
+        >>> format_bytes(800), format_bytes(512 * 2**20), format_bytes(3 * 2**29)
+        ('800 B', '512.0 MiB', '1.50 GiB')
+    """
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    digits = 2 if value < 10 else 1
+    return f"{sign}{value:.{digits}f} {unit}"
 
 
 def parse_budget(value: object, *, name: str = "budget") -> int | None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .budget import format_bytes
 
@@ -41,6 +45,9 @@ class Plan:
         feasible: False when the budget could not be met and on_infeasible="min".
         note: anything a user should know.
         pass_seconds: time of each pass, by name.
+        num_nodes: nodes of the joint graph that were planned.
+        timeline: predicted live bytes after each node of the forward then the backward.
+        forward_code / backward_code: Python source of the final programs.
     """
 
     graph: str
@@ -62,6 +69,10 @@ class Plan:
     note: str = ""
     pass_seconds: dict = field(default_factory=dict)
     num_nodes: int = 0
+    timeline: tuple[tuple[str, str, int], ...] = ()
+    """(node name, "forward" or "backward", live bytes) for each node of the programs that run."""
+    forward_code: str = ""
+    backward_code: str = ""
 
     def summary(self) -> str:
         """One line: budget, predicted peak, kept and recomputed totals, solver."""
@@ -109,6 +120,30 @@ class Plan:
         return "\n".join(lines)
 
 
+    def to_json(self) -> dict:
+        """The plan as plain JSON data (schema ``fxremat.plan/1``, see docs/PLAN_SCHEMA.md)."""
+        data = dataclasses.asdict(self)
+        data.pop("forward_code")
+        data.pop("backward_code")
+        data["timeline"] = [list(step) for step in self.timeline]
+        return {"schema": PLAN_SCHEMA, **data}
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``plan.txt``, ``plan.json``, ``forward.py`` and ``backward.py`` into ``directory``.
+
+        Returns:
+            The directory written.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.txt").write_text(str(self) + "\n")
+        (out / "plan.json").write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        (out / "forward.py").write_text(self.forward_code)
+        (out / "backward.py").write_text(self.backward_code)
+        return out
+
+
+PLAN_SCHEMA = "fxremat.plan/1"
 _LOCK = threading.Lock()
 _PLANS: list[Plan] = []
 

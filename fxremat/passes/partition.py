@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from pathlib import Path
 
 import torch.fx as fx
 
@@ -19,10 +20,11 @@ from ..options import Options
 from ..plan import Plan, ValueRecord, next_graph_name, record
 from ..solvers.registry import solve
 from ..solvers.types import SolveOptions
-from ..solvers.types import BACKWARD, Decision
+from ..solvers.types import BACKWARD, FORWARD, Decision
 from .apply import apply_decision
 from .cost import NodeCost, annotate, get_hardware
 from .problem import ProblemGraph, build_problem, is_tangent
+from .scratch import measure_scratch
 from .simulate import simulate
 
 __all__ = ["partition", "TIGHTEN_ROUNDS"]
@@ -113,7 +115,11 @@ def partition(
     costs = annotate(joint, hardware)
     timings["cost"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs)
+    scratch = measure_scratch(list(joint.graph.nodes))
+    scratch_by_name = {n.name: b for n, b in scratch.items() if b}
+    timings["scratch"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
@@ -133,7 +139,7 @@ def partition(
             joint, _saved_nodes(pg, decision), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name)
         if options.budget is None or sim.peak <= options.budget:
             break
         # The real programs peak higher than the abstract schedule said: aim lower.
@@ -149,7 +155,7 @@ def partition(
             joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name)
         if options.on_infeasible == "error":
             raise BudgetError(options.budget, sim.peak, where=graph_name)
         decision = least
@@ -183,6 +189,11 @@ def partition(
         note=note,
         pass_seconds=timings,
         num_nodes=problem.size,
+        timeline=tuple(
+            (sim.names[v], "forward" if phase == FORWARD else "backward", live) for v, phase, live in sim.timeline.steps
+        ),
+        forward_code=fw.code,
+        backward_code=bw.code,
     )
     record(plan)
     log.info(
@@ -192,7 +203,5 @@ def partition(
         plan.recompute_seconds * 1e3, plan.solver, solve_seconds * 1e3,
     )
     if options.dump_dir:
-        from ..dump import save_plan  # viz deps are optional; only where the user asked for files
-
-        save_plan(plan, options.dump_dir, fw=fw, bw=bw)
+        plan.save(Path(options.dump_dir) / graph_name.replace(" ", "_"))
     return fw, bw

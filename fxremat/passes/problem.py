@@ -96,6 +96,7 @@ def build_problem(
     forward_nodes: set[fx.Node],
     costs: dict[fx.Node, NodeCost],
     num_fwd_outputs: int,
+    scratch: dict[fx.Node, int] | None = None,
 ) -> ProblemGraph:
     """Build the plain problem for a joint graph.
 
@@ -104,6 +105,7 @@ def build_problem(
         forward_nodes: nodes the forward must run (PyTorch's ``required_fw_nodes``).
         costs: the cost pass's table for ``joint``.
         num_fwd_outputs: how many of the joint graph's outputs belong to the forward.
+        scratch: the scratch pass's table (bytes an op allocates inside itself).
 
     Returns:
         The problem and the fx node behind each id.
@@ -114,10 +116,17 @@ def build_problem(
     outs = list(output.args[0])
     fw_outputs = sorted({ids[o] for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node) and o in ids})
     bw_outputs = sorted({ids[o] for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node) and o in ids})
+    # A getitem of a forward node is part of the forward even when only the
+    # backward reads it (a layer norm's mean and rstd): taking it is free.
+    forward_nodes = set(forward_nodes)
+    for n in nodes:
+        if n.target is operator.getitem and n.args[0] in forward_nodes:
+            forward_nodes.add(n)
     layer_of = _layers(nodes, forward_nodes)
 
     phase, inputs, nbytes, storage, seconds, flops = [], [], [], [], [], []
     must_save, never, must_recompute, layer = [], [], [], []
+    never_set: set[int] = set()
     for i, n in enumerate(nodes):
         fwd = n in forward_nodes
         phase.append(FORWARD if fwd else BACKWARD)
@@ -133,11 +142,14 @@ def build_problem(
         if not fwd:
             continue
         policy = n.meta.get("recompute")
+        parent = n.args[0] if n.target is operator.getitem else None
         if is_sym_node(n) or policy == CheckpointPolicy.MUST_SAVE:
             must_save.append(i)
-        if is_sym_node(n) or never_recompute_reason(n) is not None:
+        if is_sym_node(n) or never_recompute_reason(n) is not None or (parent is not None and ids.get(parent) in never_set):
             never.append(i)
-        elif policy == CheckpointPolicy.MUST_RECOMPUTE:
+            never_set.add(i)
+        elif policy == CheckpointPolicy.MUST_RECOMPUTE or isinstance(n.meta.get("val"), (tuple, list)):
+            # A tuple cannot be saved for the backward; its elements (getitems) can.
             must_recompute.append(i)
     problem = RematProblem(
         names=tuple(n.name for n in nodes),
@@ -154,5 +166,6 @@ def build_problem(
         never_recompute=tuple(never),
         must_recompute=tuple(must_recompute),
         layer=tuple(layer),
+        scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
     )
     return ProblemGraph(problem, tuple(nodes))

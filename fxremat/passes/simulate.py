@@ -44,7 +44,13 @@ class Simulation:
     output_bytes: int
 
 
-def simulate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardware: Hardware) -> Simulation:
+def simulate(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    hardware: Hardware,
+    scratch_by_name: dict[str, int] | None = None,
+) -> Simulation:
     """Replay ``fw`` then ``bw`` and predict the step's live memory.
 
     Args:
@@ -53,6 +59,7 @@ def simulate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardw
             as the forward nodes) and tangents.
         num_fwd_outputs: how many forward outputs the user sees.
         hardware: cost profile (only bytes matter here).
+        scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
 
     Returns:
         The predicted peak and timeline.
@@ -79,8 +86,8 @@ def simulate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardw
             owner = costs[n].owner
             storage.append(ids[owner] if owner in ids and ids[owner] <= i else i)
             nbytes.append(costs[n].nbytes if owner is n else 0)
-    # Storage owners must resolve to the owner's own storage (views of views).
-    storage = [storage[s] if storage[s] != s else s for s in storage]
+    # A backward view of a saved view lives in the saved view's owner.
+    storage = [storage[s] for s in storage]
 
     fw_out = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
     bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
@@ -89,10 +96,12 @@ def simulate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardw
     grads = tuple(sorted({ids[o] for o in bw_out if isinstance(o, fx.Node) and o in ids}))
     tangents = tuple(ids[n] for n in bw_nodes if is_tangent(n))
     n = len(names)
+    scratch_by_name = scratch_by_name or {}
     problem = RematProblem(
         names=tuple(names), phase=tuple(phase), inputs=tuple(inputs), nbytes=tuple(nbytes),
         storage=tuple(storage), seconds=(0.0,) * n, flops=(0,) * n,
         fw_outputs=user_outputs, bw_outputs=grads, tangents=tangents,
+        scratch=tuple(scratch_by_name.get(name, 0) for name in names),
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 

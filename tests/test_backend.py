@@ -1,0 +1,162 @@
+"""End to end: compiled training steps equal eager ones and fit their budgets."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxremat
+from fxremat import measure
+
+from zoo import ZOO
+
+ATOL = 1e-5
+RTOL = 1e-4
+
+
+def _step(model, inputs, seed=0):
+    torch.manual_seed(seed)
+    loss = model(*inputs)
+    loss.backward()
+    return loss.detach()
+
+
+def _state(model):
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return grads, buffers
+
+
+def _compare(ref_model, ref_loss, model, loss):
+    torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
+    ref_grads, ref_buffers = _state(ref_model)
+    grads, buffers = _state(model)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=RTOL, msg=f"gradient of {name}")
+    for name in ref_buffers:
+        torch.testing.assert_close(buffers[name], ref_buffers[name], atol=ATOL, rtol=RTOL, msg=f"buffer {name}")
+
+
+def _compile(model, **options):
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(model, backend=fxremat.backend(inner="eager", **options))
+    return compiled
+
+
+def _plan_peak(base, inputs, **options):
+    model = copy.deepcopy(base)
+    _step(_compile(model, **options), inputs)
+    plans = fxremat.plans()
+    assert plans, "the backend recorded no plan"
+    return max(p.predicted_peak for p in plans)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_matches_eager_under_budgets(name):
+    base, inputs = ZOO[name]()
+    base.train()
+    ref = copy.deepcopy(base)
+    ref_loss = _step(ref, inputs)
+
+    fastest = _plan_peak(base, inputs)
+    with pytest.warns(UserWarning, match="least-memory plan"):
+        least = _plan_peak(base, inputs, budget=1, on_infeasible="min")
+    assert least <= fastest
+    budgets = [None, (least + fastest) // 2, least]
+    for budget in budgets:
+        model = copy.deepcopy(base)
+        compiled = _compile(model, budget=budget)
+        loss = _step(compiled, inputs)
+        _compare(ref, ref_loss, model, loss)
+        plans = fxremat.plans()
+        if budget is not None:
+            assert all(p.predicted_peak <= budget for p in plans), [p.summary() for p in plans]
+            model.zero_grad(set_to_none=False)
+            measured = measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
+            assert measured.peak_bytes <= budget * 1.02, (
+                f"{name}: measured {measured.peak_bytes} > budget {budget}; plan {plans[-1].summary()}"
+            )
+
+
+def test_budget_below_least_peak_raises_with_least_peak():
+    base, inputs = ZOO["mlp"]()
+    least = _plan_peak(base, inputs, budget=1, on_infeasible="min") if False else None
+    model = copy.deepcopy(base)
+    with pytest.raises(fxremat.BudgetError) as info:
+        _step(_compile(model, budget=1000), inputs)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.least_peak > 1000
+    assert str(err.least_peak) in str(err) and "MiB" in str(err) or "KiB" in str(err)
+    assert least is None
+
+
+def test_options_string_backend_and_env_budget(monkeypatch):
+    base, inputs = ZOO["mlp"]()
+    monkeypatch.setenv("FXREMAT_BUDGET", "700KiB")
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "on_infeasible": "min"})
+    with pytest.warns(UserWarning):
+        _step(compiled, inputs)
+    assert fxremat.plans()[-1].budget == 700 * 1024
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), True, 0.5, "lots", "12 parsecs", [1]])
+def test_bad_budgets_rejected(bad):
+    with pytest.raises((ValueError, TypeError), match="budget"):
+        fxremat.backend(budget=bad)
+    with pytest.raises((ValueError, TypeError), match="budget"):
+        fxremat.Options.from_mapping({"budget": bad})
+
+
+def test_unknown_option_rejected():
+    with pytest.raises(ValueError, match="valid options"):
+        fxremat.backend(budgt="1GiB")
+    with pytest.raises(ValueError, match="choose one of"):
+        fxremat.backend(solver="magic")
+
+
+def test_entry_point_without_import(tmp_path):
+    script = tmp_path / "use.py"
+    script.write_text(
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))\n"
+        "x = torch.randn(4, 8)\n"
+        "ref = torch.autograd.grad(m(x).sum(), list(m.parameters()))\n"
+        "c = torch.compile(m, backend='fxremat', options={'budget': '1MiB', 'inner': 'eager'})\n"
+        "got = torch.autograd.grad(c(x).sum(), list(m.parameters()))\n"
+        "assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref, got))\n"
+        "print('imported before compile:', 'fxremat' in sys.modules and 'ok')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert "ok" in out.stdout
+
+
+def test_inductor_end_to_end_matches_eager():
+    base, inputs = ZOO["transformer"]()
+    ref = copy.deepcopy(base)
+    ref_loss = _step(ref, inputs)
+    fastest = _plan_peak(base, inputs)
+    budget = int(fastest * 0.7)
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model, backend="fxremat", options={"budget": budget, "on_infeasible": "min"})
+    loss = _step(compiled, inputs)
+    _compare(ref, ref_loss, model, loss)
+    plan = fxremat.plans()[-1]
+    assert plan.predicted_peak <= budget or not plan.feasible
+    model.zero_grad(set_to_none=False)
+    measured = measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
+    assert measured.peak_bytes <= max(budget, plan.predicted_peak) * 1.02
