@@ -12,6 +12,7 @@ Example:
 """
 
 from .backend import backend
+from .capture import ParetoPoint, explain, pareto
 from .budget import BudgetError, format_bytes, parse_budget
 from .measure import Measurement, measure
 from .options import Options
@@ -21,6 +22,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "backend",
+    "explain",
+    "pareto",
+    "ParetoPoint",
     "BudgetError",
     "Options",
     "Plan",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .budget import format_bytes
 
-__all__ = ["ValueRecord", "Plan", "plans", "clear_plans"]
+__all__ = ["ValueRecord", "NodeRecord", "Plan", "plans", "clear_plans"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,22 @@ class ValueRecord:
     nbytes: int
     flops: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node of the joint graph, for graph dumps.
+
+    ``role`` is "kept" or "recomputed" for forward values the backward needs,
+    else "forward" or "backward".
+    """
+
+    name: str
+    op: str
+    module: str
+    role: str
+    nbytes: int
+    inputs: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,10 @@ class Plan:
     """(node name, "forward" or "backward", live bytes) for each node of the programs that run."""
     forward_code: str = ""
     backward_code: str = ""
+    nodes: tuple[NodeRecord, ...] = ()
+    """The joint graph (graph inputs omitted), with each node's role in the plan."""
+    problem: object = field(default=None, repr=False, compare=False)
+    """The solver's RematProblem for this graph (for ``fxremat.pareto``); not saved."""
 
     def summary(self) -> str:
         """One line: budget, predicted peak, kept and recomputed totals, solver."""
@@ -125,6 +145,8 @@ class Plan:
         data = dataclasses.asdict(self)
         data.pop("forward_code")
         data.pop("backward_code")
+        data.pop("nodes")
+        data.pop("problem")
         data["timeline"] = [list(step) for step in self.timeline]
         return {"schema": PLAN_SCHEMA, **data}
 

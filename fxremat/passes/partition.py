@@ -17,7 +17,7 @@ import torch.fx as fx
 from .._torch_compat import functorch_config, fx_graph_cse, partitioners
 from ..budget import BudgetError, format_bytes
 from ..options import Options
-from ..plan import Plan, ValueRecord, next_graph_name, record
+from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, record
 from ..solvers.registry import solve
 from ..solvers.types import SolveOptions
 from ..solvers.types import BACKWARD, FORWARD, Decision
@@ -62,6 +62,17 @@ def _records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], ids) -> tuple[Val
         c = costs[node]
         nbytes = costs[c.owner].nbytes if c.owner in costs else 0
         out.append(ValueRecord(node.name, c.op, c.module, nbytes if c.owner is node else 0, c.flops, c.seconds))
+    return tuple(out)
+
+
+def _node_records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], decision: Decision) -> tuple[NodeRecord, ...]:
+    kept, recomputed = set(decision.kept), set(decision.recomputed)
+    problem = pg.problem
+    out = []
+    for i, node in enumerate(pg.nodes):
+        role = "kept" if i in kept else "recomputed" if i in recomputed else "forward" if problem.phase[i] == FORWARD else "backward"
+        c = costs[node]
+        out.append(NodeRecord(node.name, c.op, c.module, role, problem.nbytes[i], tuple(problem.names[u] for u in problem.inputs[i])))
     return tuple(out)
 
 
@@ -194,6 +205,8 @@ def partition(
         ),
         forward_code=fw.code,
         backward_code=bw.code,
+        nodes=_node_records(pg, costs, decision),
+        problem=problem,
     )
     record(plan)
     log.info(

@@ -1,0 +1,212 @@
+"""Plan without training: ``explain`` and ``pareto``.
+
+``explain`` runs the same pipeline ``torch.compile(backend="fxremat")`` runs
+(Dynamo, AOTAutograd, Inductor's joint passes when ``inner="inductor"``, the
+fxremat partitioner) on the model and example inputs, but replaces the
+compiled forward and backward with dry runs: they return tensors of the right
+shapes and dtypes whose saved values and gradients take no memory (zero-stride
+views of one element), and compute nothing. So no training step runs, no
+activation is allocated, and the plan is the one ``torch.compile`` would make
+for the same graph and options. Only the forward's user-visible outputs are
+allocated (filled with zeros) so Python code between graphs can go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ._torch_compat import aot_autograd, compile_fx
+from .backend import FxrematPartitioner, _partition_guarded
+from .options import Options
+from .plan import Plan, plans
+from .solvers.registry import solve
+from .solvers.types import Decision, SolveOptions
+
+__all__ = ["explain", "pareto", "ParetoPoint"]
+
+log = logging.getLogger(__name__)
+
+
+def _empty_like_meta(val, materialize: bool):
+    """A tensor shaped like ``val``: zeros if ``materialize``, else a zero-stride view (no memory)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [int(s) for s in val.shape]
+    if materialize:
+        return torch.zeros(shape, dtype=val.dtype, device=val.device)
+    return torch.zeros((), dtype=val.dtype, device=val.device).expand(shape)
+
+
+def _dry_compiler(gm: fx.GraphModule, example_inputs, **_kwargs):
+    """An inner compiler whose programs compute nothing and allocate only user outputs."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in output.args[0]]
+    backward = any("tangents" in str(n.target) for n in gm.graph.find_nodes(op="placeholder"))
+    # The forward returns the user outputs, then the saved values (see _dry_backend).
+    users = 0 if backward else gm.meta.get(_USER_OUTPUTS, len(vals))
+
+    def run(args):
+        args.clear()
+        return [_empty_like_meta(v, materialize=i < users) for i, v in enumerate(vals)]
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+_USER_OUTPUTS = "fxremat_num_user_outputs"
+
+
+def _dry_backend(options: Options):
+    def mark(fw_and_bw, num_fwd_outputs):
+        fw, bw = fw_and_bw
+        fw.meta[_USER_OUTPUTS] = num_fwd_outputs
+        return fw, bw
+
+    def partition(gm, joint_inputs, **kwargs):
+        return mark(_partition_guarded(gm, joint_inputs, options, **kwargs), kwargs.get("num_fwd_outputs", 0))
+
+    if options.inner == "eager":
+        return aot_autograd(fw_compiler=_dry_compiler, bw_compiler=_dry_compiler, partition_fn=partition)
+
+    class DryPartitioner(FxrematPartitioner):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return mark(super().__call__(gm, joint_inputs, **kwargs), kwargs.get("num_fwd_outputs", 0))
+
+    def inductor_dry(gm, example_inputs):
+        return compile_fx.compile_fx(
+            gm, example_inputs, inner_compile=_dry_compiler,
+            config_patches={"custom_partitioner_fn": DryPartitioner(options)},
+        )
+
+    return inductor_dry
+
+
+def _largest(found: list[Plan]) -> Plan:
+    if not found:
+        raise RuntimeError(
+            "fxremat.explain found no graph to plan: the model ran without a backward graph "
+            "(no input or parameter requires grad, or it ran under torch.no_grad())."
+        )
+    if len(found) > 1:
+        warnings.warn(
+            f"the model compiled into {len(found)} graphs (graph breaks); each is planned under the whole "
+            f"budget. Returning the plan with the largest predicted peak; all are in fxremat.plans().",
+            stacklevel=3,
+        )
+    return max(found, key=lambda p: p.predicted_peak)
+
+
+def explain(model_or_fn, *args, budget=None, **options) -> Plan:
+    """Plan a model's training step without running it.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or function whose output is a tensor (a loss,
+            or anything ``.sum()`` turns into one).
+        *args: example inputs.
+        budget: as for ``fxremat.backend``: bytes, a string with a unit, or None.
+        **options: the other ``fxremat.backend`` options (``solver``, ``inner``, ...).
+
+    Returns:
+        The Plan (the one with the largest predicted peak when the model has graph breaks).
+
+    Raises:
+        BudgetError: the budget is below the least reachable peak (unless on_infeasible="min").
+
+    Example:
+        >>> plan = fxremat.explain(model, x, budget="2GiB")
+        >>> print(plan)
+        >>> plan.save("plan/")
+    """
+    mapping = dict(options)
+    if budget is not None:
+        mapping["budget"] = budget
+    opts = Options.from_mapping(mapping)
+    params = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
+    saved_grads = [p.grad for p in params]
+    before = len(plans())
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model_or_fn, backend=_dry_backend(opts))
+        out = compiled(*args)
+        loss = out if isinstance(out, torch.Tensor) else _first_tensor(out)
+        if loss.requires_grad:
+            (loss if loss.dim() == 0 else loss.sum()).backward()
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        torch._dynamo.reset()
+    return _largest(plans()[before:])
+
+
+def _first_tensor(out):
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return leaf
+    raise TypeError(f"the model returned {type(out).__name__} with no tensor that requires grad; return the loss")
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One point of the memory/time front of a graph.
+
+    Attributes:
+        budget: the budget the point was solved for (bytes).
+        predicted_peak: the plan's predicted peak (bytes).
+        recompute_seconds: estimated time of its recomputation.
+        solver: which solver chose it.
+        plan: the solver's decision (kept and recomputed node ids of the graph).
+    """
+
+    budget: int
+    predicted_peak: int
+    recompute_seconds: float
+    solver: str
+    plan: Decision
+
+
+def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
+    """The front of (predicted peak, estimated recompute time) across budgets.
+
+    Plans the model once (as ``explain``), then solves its largest graph for
+    ``points`` budgets from the fastest plan's peak down to the least reachable
+    peak, keeping the points no other point dominates.
+
+    Args:
+        model_or_fn, *args: as for ``explain``.
+        points: how many budgets to try.
+        **options: ``solver``, ``inner``, ``hardware``, ``time_limit``.
+
+    Returns:
+        Points sorted by decreasing predicted peak.
+
+    Example:
+        >>> for p in fxremat.pareto(model, x, points=6):
+        ...     print(p.predicted_peak, p.recompute_seconds)
+    """
+    if points < 2:
+        raise ValueError(f"points={points} must be at least 2")
+    options.pop("budget", None)
+    base = explain(model_or_fn, *args, **options)
+    problem = base.problem
+    solver = options.get("solver", "auto")
+    solve_options = SolveOptions(time_limit=options.get("time_limit", 10.0))
+    fastest = solve(problem, None, solver, solve_options)
+    least = solve(problem, 1, solver, solve_options)
+    hi, lo = fastest.peak_bytes, least.peak_bytes
+    found: list[ParetoPoint] = []
+    for k in range(points):
+        budget = hi - (hi - lo) * k // (points - 1)
+        d = solve(problem, budget, solver, solve_options)
+        if d.feasible:
+            found.append(ParetoPoint(budget, d.peak_bytes, d.recompute_seconds, d.solver, d))
+    front = []
+    for p in sorted(found, key=lambda p: (p.predicted_peak, p.recompute_seconds)):
+        if not front or p.recompute_seconds < front[-1].recompute_seconds:
+            front.append(p)
+    return sorted(front, key=lambda p: -p.predicted_peak)
+

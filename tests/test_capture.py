@@ -1,0 +1,77 @@
+"""explain and pareto: plans without a training step, equal to torch.compile's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxremat
+from zoo import ZOO, Transformer
+
+
+def _compiled_plan(base, inputs, **options):
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    model = copy.deepcopy(base)
+    torch.compile(model, backend=fxremat.backend(**options))(*inputs).backward()
+    return max(fxremat.plans(), key=lambda p: p.predicted_peak)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_explain_matches_compile_kept_set(inner):
+    base, inputs = ZOO["transformer"]()
+    fastest = fxremat.explain(base, *inputs, inner=inner)
+    budget = int(fastest.predicted_peak * 0.75)
+    plan = fxremat.explain(base, *inputs, inner=inner, budget=budget)
+    compiled = _compiled_plan(base, inputs, inner=inner, budget=budget)
+    assert [k.name for k in plan.kept] == [k.name for k in compiled.kept]
+    assert plan.predicted_peak == compiled.predicted_peak <= budget
+    assert all(p.grad is None for p in base.parameters()), "explain must not leave gradients behind"
+
+
+def test_explain_runs_no_step_and_keeps_user_grads():
+    base, inputs = ZOO["mlp"]()
+    base(*inputs).backward()
+    grads = [p.grad.clone() for p in base.parameters()]
+    plan = fxremat.explain(base, *inputs, inner="eager")
+    assert plan.predicted_peak > 0 and plan.kept
+    for p, g in zip(base.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_explain_on_meta_device_allocates_nothing():
+    with torch.device("meta"):
+        model = Transformer(dim=512, layers=2)
+    x = torch.randn(2, 256, 512, device="meta")
+    plan = fxremat.explain(model, x, inner="eager")
+    # Korthikanti et al. 2022: ~34*s*b*h bytes per layer in 16-bit with efficient attention; fp32 doubles it.
+    per_layer = plan.saved_bytes / 2
+    expected = 34 * 256 * 2 * 512 * 2
+    assert 0.8 * expected < per_layer < 1.25 * expected, (per_layer, expected)
+
+
+def test_explain_graph_breaks_warn_and_return_largest():
+    base, inputs = ZOO["gpt2"]()
+    with pytest.warns(UserWarning, match="graph breaks"):
+        plan = fxremat.explain(base, *inputs, inner="eager")
+    assert plan.predicted_peak == max(p.predicted_peak for p in fxremat.plans()[-2:])
+
+
+def test_explain_budget_errors():
+    base, inputs = ZOO["mlp"]()
+    with pytest.raises(fxremat.BudgetError) as info:
+        fxremat.explain(base, *inputs, inner="eager", budget="10kB")
+    assert info.value.least_peak > 10_000
+
+
+def test_pareto_front_is_monotone():
+    base, inputs = ZOO["transformer"]()
+    front = fxremat.pareto(base, *inputs, points=5, inner="eager")
+    assert len(front) >= 2
+    peaks = [p.predicted_peak for p in front]
+    times = [p.recompute_seconds for p in front]
+    assert peaks == sorted(peaks, reverse=True)
+    assert times == sorted(times)
+    assert all(p.predicted_peak <= p.budget for p in front)
