@@ -9,6 +9,12 @@ views of one element), and compute nothing. So no training step runs, no
 activation is allocated, and the plan is the one ``torch.compile`` would make
 for the same graph and options. Only the forward's user-visible outputs are
 allocated (filled with zeros) so Python code between graphs can go on.
+
+A model too large to build can be planned from fake weights: build it under
+``torch._subclasses.FakeTensorMode()`` (weights and inputs then take no
+memory) and call ``explain`` as usual. A model on the ``meta`` device plans
+too, but there PyTorch traces SDPA attention as its math fallback (it saves
+the attention matrix), so fake CPU or CUDA tensors give the faithful plan.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ._torch_compat import aot_autograd, compile_fx
+from ._torch_compat import FakeTensor, aot_autograd, compile_fx
 from .backend import FxrematPartitioner, _partition_guarded
 from .options import Options
 from .plan import Plan, plans
@@ -86,6 +92,17 @@ def _dry_backend(options: Options):
     return inductor_dry
 
 
+def _tensors(model_or_fn, args) -> list[torch.Tensor]:
+    tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    if isinstance(model_or_fn, torch.nn.Module):
+        tensors += list(model_or_fn.parameters())
+    return tensors
+
+
+def _has_fake(model_or_fn, args) -> bool:
+    return any(isinstance(t, FakeTensor) for t in _tensors(model_or_fn, args))
+
+
 def _largest(found: list[Plan]) -> Plan:
     if not found:
         raise RuntimeError(
@@ -125,6 +142,9 @@ def explain(model_or_fn, *args, budget=None, **options) -> Plan:
     mapping = dict(options)
     if budget is not None:
         mapping["budget"] = budget
+    if _has_fake(model_or_fn, args):
+        # Fake weights stand for a model too large to build: never run its ops for real.
+        mapping.setdefault("measure_scratch", False)
     opts = Options.from_mapping(mapping)
     params = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]

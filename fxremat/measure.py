@@ -19,6 +19,7 @@ import torch
 
 from ._torch_compat import EventType
 from .budget import format_bytes
+from .quiet import quiet_stderr
 
 __all__ = ["Measurement", "measure", "format_bytes"]
 
@@ -196,7 +197,7 @@ def _measure_memory(
     Returns:
         (peak bytes, timeline, measured device).
     """
-    with torch.profiler.profile(
+    with quiet_stderr(), torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         for _ in range(warmup):

@@ -49,6 +49,9 @@ class Options:
     """Seconds the solver may spend per graph before returning its best feasible plan."""
     dump_dir: str | None = None
     """Folder where each compiled graph's plan is saved (one subfolder per graph)."""
+    measure_scratch: bool = True
+    """Measure each distinct op's kernel workspace once on the graph's device (CPU or
+    CUDA), so predictions include it; off, or on meta/fake graphs, workspace counts 0."""
 
     @classmethod
     def from_mapping(cls, mapping: dict | None = None) -> "Options":
@@ -88,7 +91,11 @@ class Options:
         dump_dir = mapping.get("dump_dir", os.environ.get(ENV_DUMP_DIR) or None)
         if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
             raise TypeError(f"dump_dir={dump_dir!r} must be a path (str or os.PathLike)")
+        measure_scratch = mapping.get("measure_scratch", True)
+        if not isinstance(measure_scratch, bool):
+            raise TypeError(f"measure_scratch={measure_scratch!r} must be True or False")
         return cls(
+            measure_scratch=measure_scratch,
             budget=budget, inner=inner, solver=solver, hardware=hardware, on_infeasible=on_infeasible,
             on_error=on_error, time_limit=float(time_limit), dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         )

@@ -91,6 +91,8 @@ class Plan:
     backward_code: str = ""
     nodes: tuple[NodeRecord, ...] = ()
     """The joint graph (graph inputs omitted), with each node's role in the plan."""
+    references: dict = field(default_factory=dict)
+    """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: object = field(default=None, repr=False, compare=False)
     """The solver's RematProblem for this graph (for ``fxremat.pareto``); not saved."""
 
@@ -150,19 +152,37 @@ class Plan:
         data["timeline"] = [list(step) for step in self.timeline]
         return {"schema": PLAN_SCHEMA, **data}
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Write ``plan.txt``, ``plan.json``, ``forward.py`` and ``backward.py`` into ``directory``.
+    def save(self, directory: str | os.PathLike, *, measured=None, full: bool = False) -> list[Path]:
+        """Write the plan and its figures into ``directory``.
+
+        Files: ``plan.txt`` (the report), ``plan.json`` (schema in docs/PLAN_SCHEMA.md),
+        ``forward.py`` and ``backward.py`` (the final programs), ``graph.dot`` (the
+        joint graph, kept and recomputed nodes coloured, collapsed per module above
+        300 nodes unless ``full``), ``graph.svg`` when Graphviz's ``dot`` is installed,
+        and ``timeline.png`` (predicted live memory of this plan, of ``save_all`` and of
+        ``save_inputs``, the budget as a line, and ``measured`` overlaid when given).
+
+        Args:
+            directory: created if missing.
+            measured: a ``fxremat.measure`` result to overlay on the timeline.
+            full: draw every node of the graph even when it is large.
 
         Returns:
-            The directory written.
+            The files written.
+
+        Example:
+            >>> fxremat.plans()[-1].save("plan/")
         """
+        from . import viz
+
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.txt").write_text(str(self) + "\n")
-        (out / "plan.json").write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        (out / "forward.py").write_text(self.forward_code)
-        (out / "backward.py").write_text(self.backward_code)
-        return out
+        written = [out / "plan.txt", out / "plan.json", out / "forward.py", out / "backward.py"]
+        written[0].write_text(str(self) + "\n")
+        written[1].write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        written[2].write_text(self.forward_code)
+        written[3].write_text(self.backward_code)
+        return written + viz.save_figures(self, out, measured=measured, references=self.references, full=full)
 
 
 PLAN_SCHEMA = "fxremat.plan/1"

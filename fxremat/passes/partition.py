@@ -19,6 +19,7 @@ from ..budget import BudgetError, format_bytes
 from ..options import Options
 from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, record
 from ..solvers.registry import solve
+from ..solvers.schedule import bw_reads, close, liveness, programs
 from ..solvers.types import SolveOptions
 from ..solvers.types import BACKWARD, FORWARD, Decision
 from .apply import apply_decision
@@ -76,6 +77,17 @@ def _node_records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], decision: De
     return tuple(out)
 
 
+def _references(problem) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Predicted timelines of the extremes: keep everything, keep only graph inputs."""
+    refs = {}
+    for name, kept in (("save_all", bw_reads(problem)), ("save_inputs", ())):
+        kept_c, recomputed = close(problem, kept)
+        forward, backward = programs(problem, kept_c, recomputed)
+        steps = liveness(problem, forward, backward, kept_c).steps
+        refs[name] = tuple(("forward" if phase == FORWARD else "backward", live) for _, phase, live in steps)
+    return refs
+
+
 def _saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
     """Kept forward nodes, plus the graph inputs the backward reads (they cost nothing:
     they exist before the step, but the backward can only see what the forward hands it)."""
@@ -126,7 +138,7 @@ def partition(
     costs = annotate(joint, hardware)
     timings["cost"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scratch = measure_scratch(list(joint.graph.nodes))
+    scratch = measure_scratch(list(joint.graph.nodes)) if options.measure_scratch else {}
     scratch_by_name = {n.name: b for n, b in scratch.items() if b}
     timings["scratch"] = time.perf_counter() - t1
     t1 = time.perf_counter()
@@ -206,6 +218,7 @@ def partition(
         forward_code=fw.code,
         backward_code=bw.code,
         nodes=_node_records(pg, costs, decision),
+        references=_references(problem),
         problem=problem,
     )
     record(plan)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .._torch_compat import EventType, disable_current_modes
+from ..quiet import quiet_stderr
 
 __all__ = ["measure_scratch", "MAX_CALIBRATION_BYTES"]
 
@@ -73,32 +74,6 @@ def _nbytes(val) -> int:
     return 0
 
 
-def _cpu_peak(fn) -> tuple[int, object]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
-        stack.extend(e.children)
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak, out
-
-
-def _cuda_peak(fn, device) -> tuple[int, object]:
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before, out
-
-
 def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """Scratch bytes of each call_function node, measured once per distinct signature.
 
@@ -108,44 +83,47 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     Returns:
         node -> bytes allocated while it runs beyond its outputs (0 where unknown).
     """
-    cache: dict[tuple, int] = {}
-    result: dict[fx.Node, int] = {}
+    first: dict[tuple, fx.Node] = {}
+    keyed: list[tuple[fx.Node, tuple]] = []
+    for node in nodes:
+        if node.op != "call_function" or node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        val = node.meta.get("val")
+        tensors = [a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        if not tensors or "meta" in devices or len(devices) > 1:
+            continue
+        if _nbytes(val) + sum(_nbytes(t) for t in tensors) > MAX_CALIBRATION_BYTES:
+            continue
+        key = _signature(node)
+        first.setdefault(key, node)
+        keyed.append((node, key))
+    if not first:
+        return {}
     # Real tensors (outside AOTAutograd's fake mode); random ops must not move the user's RNG.
     with disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
-        for node in nodes:
-            if node.op != "call_function" or node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload):
-                continue
-            val = node.meta.get("val")
-            inputs = [a.meta.get("val") for a in node.all_input_nodes]
-            tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
-            devices = {t.device.type for t in tensors}
-            if not tensors or "meta" in devices or len(devices) > 1:
-                continue
-            if _nbytes(val) + sum(_nbytes(t) for t in tensors) > MAX_CALIBRATION_BYTES:
-                continue
-            key = _signature(node)
-            if key not in cache:
-                cache[key] = _run_one(node, val)
-            result[node] = cache[key]
-    return result
+        cuda = [k for k, n in first.items() if _device(n).type == "cuda"]
+        cpu = [k for k in first if k not in set(cuda)]
+        measured = {k: _run_cuda(first[k]) for k in cuda}
+        measured.update(_run_cpu([(k, first[k]) for k in cpu]))
+    return {node: measured.get(key, 0) for node, key in keyed}
 
 
-def _run_one(node: fx.Node, val) -> int:
-    try:
-        real: dict[fx.Node, object] = {}
-        for a in node.all_input_nodes:
-            v = a.meta.get("val")
-            real[a] = _materialize(v) if isinstance(v, torch.Tensor) else v
-        args = fx.node.map_arg(node.args, lambda a: real[a])
-        kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
-        device = next((t.device for t in real.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        if device.type == "cuda":
-            peak, out = _cuda_peak(lambda: node.target(*args, **kwargs), device)
-        else:
-            peak, out = _cpu_peak(lambda: node.target(*args, **kwargs))
-    except Exception as exc:  # an op that rejects synthetic inputs: no scratch known, say so
-        log.debug("scratch of %s not measured (%s: %s)", node.target, type(exc).__name__, exc)
-        return 0
+def _device(node: fx.Node) -> torch.device:
+    return next(a.meta["val"].device for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+
+
+def _prepare(node: fx.Node):
+    real = {}
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        real[a] = _materialize(v) if isinstance(v, torch.Tensor) else v
+    args = fx.node.map_arg(node.args, lambda a: real[a])
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
+    return lambda: node.target(*args, **kwargs)
+
+
+def _scratch(node: fx.Node, peak: int, out) -> int:
     # The simulation allocates a single tensor output at the node itself, but the
     # elements of a tuple output at the getitems that follow: count those as scratch
     # of the node, so the moment the op runs carries its whole peak.
@@ -153,3 +131,63 @@ def _run_one(node: fx.Node, val) -> int:
     aliased = schema is not None and schema.returns and schema.returns[0].alias_info is not None
     produced = 0 if aliased or not isinstance(out, torch.Tensor) else _nbytes(out)
     return max(0, peak - produced)
+
+
+def _run_cuda(node: fx.Node) -> int:
+    try:
+        call = _prepare(node)
+        device = _device(node)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = call()
+        torch.cuda.synchronize(device)
+        return _scratch(node, torch.cuda.max_memory_allocated(device) - before, out)
+    except Exception as exc:  # an op that rejects synthetic inputs: no scratch known, say so
+        log.debug("scratch of %s not measured (%s: %s)", node.target, type(exc).__name__, exc)
+        return 0
+
+
+def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
+    """Run every op once inside one profiler session, each under its own marker."""
+    outs: dict[int, object] = {}
+    with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, (_, node) in enumerate(items):
+            try:
+                call = _prepare(node)
+                with torch.profiler.record_function(f"{_MARKER}{i}"):
+                    out = call()
+                outs[i] = out
+                del out
+            except Exception as exc:  # an op that rejects synthetic inputs: no scratch known, say so
+                log.debug("scratch of %s not measured (%s: %s)", node.target, type(exc).__name__, exc)
+    result: dict[tuple, int] = {}
+    for event in prof.profiler.kineto_results.experimental_event_tree():
+        _collect(event, items, outs, result)
+    return result
+
+
+_MARKER = "fxremat.scratch."
+
+
+def _collect(event, items, outs, result) -> None:
+    name = event.name
+    if name.startswith(_MARKER):
+        i = int(name[len(_MARKER):])
+        if i in outs:
+            sizes: list[tuple[int, int]] = []
+            stack = list(event.children)
+            while stack:
+                e = stack.pop()
+                if e.typed[0] == EventType.Allocation:
+                    sizes.append((e.start_time_ns, e.typed[1].alloc_size))
+                stack.extend(e.children)
+            live = peak = 0
+            for _, size in sorted(sizes):
+                live += size
+                peak = max(peak, live)
+            key, node = items[i]
+            result[key] = _scratch(node, peak, outs[i])
+        return
+    for child in event.children:
+        _collect(child, items, outs, result)
