@@ -42,18 +42,33 @@ def never_recompute_reason(node: fx.Node) -> str | None:
     if target is operator.getitem:
         return None
     tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
+    if torch.Tag.nondeterministic_seeded in tags and not _randomness_off(node):
         return "random op (its RNG state is not replayed)"
     schema = getattr(target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return "mutates its input"
     if getattr(target, "namespace", None) == "_c10d_functional":
         return "collective"
-    if node.op == "call_function" and node.is_impure():
+    if node.op == "call_function" and node.is_impure(impure_random=False):
         return "has side effects"
     if node.meta.get("partitioner_tag") == "must_be_in_forward":
         return "must run in the forward"
     return None
+
+
+def _randomness_off(node: fx.Node) -> bool:
+    """A seeded op called so that it draws nothing: attention with dropout_p=0, dropout with p=0 or train=False."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    values.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    values.update(node.kwargs)
+    if "dropout_p" in values:
+        return values["dropout_p"] == 0
+    if "train" in values and values["train"] is False:
+        return True
+    return "p" in values and values["p"] == 0 and "train" in values
 
 
 def _layers(nodes: list[fx.Node], forward: set[fx.Node]) -> dict[fx.Node, int]:
