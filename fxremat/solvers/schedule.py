@@ -90,18 +90,42 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     for v in sorted(needed):
         if v < readers[0] or v in done:
             continue
-        for u in sorted(_ancestors_within(problem, [v], needed - done)):
+        for u in sorted(_pending_ancestors(problem, v, needed, done)):
+            done.add(u)
+            backward.append(u)
+    # Needed nodes that no node from the first tangent reader on leads to (a
+    # returned gradient that depends on no tangent, placed before the first
+    # tangent reader) run last: PyTorch's ordering inserts them when it
+    # reaches the output node.
+    for v in sorted(needed - done):
+        for u in sorted(_pending_ancestors(problem, v, needed, done)):
             done.add(u)
             backward.append(u)
     return tuple(forward), tuple(backward)
+
+
+def _pending_ancestors(problem: RematProblem, v: int, needed: set[int], done: set[int]) -> set[int]:
+    """``_ancestors_within(problem, [v], needed - done)`` without copying ``needed - done``.
+
+    The copy per backward node made ``programs`` quadratic in the graph size.
+    """
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(u for u in problem.inputs[x] if u in needed and u not in done and u not in seen)
+    return seen
 
 
 @dataclass(frozen=True)
 class Timeline:
     """Live bytes after each step of the forward then the backward program.
 
-    ``steps[i]`` is (node id, phase, live bytes right after the node's output is
-    allocated, before anything is freed). ``peak`` is the largest of them and of
+    ``steps[i]`` is (node id, phase, live bytes while the node runs: everything
+    alive, its output and its scratch, before anything is freed). ``peak`` is the largest of them and of
     the backward's starting point.
     """
 
@@ -121,6 +145,7 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     backward starts.
     """
     storage = problem.storage
+    scratch = problem.scratch
     kept_set = set(kept)
     pinned = {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
     steps: list[tuple[int, int, int]] = []
@@ -150,9 +175,10 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         if problem.nbytes[v] and storage[v] == v:
             alive[v] = problem.nbytes[v]
             live += problem.nbytes[v]
-        steps.append((v, FORWARD, live))
-        if live > peak:
-            peak, peak_step = live, len(steps) - 1
+        during = live + (scratch[v] if scratch else 0)
+        steps.append((v, FORWARD, during))
+        if during > peak:
+            peak, peak_step = during, len(steps) - 1
         for s in frees.get(i, ()):
             live -= alive.pop(s, 0)
 
@@ -170,9 +196,10 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         if problem.nbytes[v] and storage[v] == v:
             alive[v] = problem.nbytes[v]
             live += problem.nbytes[v]
-        steps.append((v, BACKWARD, live))
-        if live > peak:
-            peak, peak_step = live, len(steps) - 1
+        during = live + (scratch[v] if scratch else 0)
+        steps.append((v, BACKWARD, during))
+        if during > peak:
+            peak, peak_step = during, len(steps) - 1
         for s in frees.get(i, ()):
             live -= alive.pop(s, 0)
     return Timeline(tuple(steps), peak, peak_step, kept_bytes)

@@ -44,6 +44,8 @@ class RematProblem:
         must_recompute: forward ids that may not be kept (user ``MUST_RECOMPUTE``).
         layer: index of the repeated block (e.g. transformer layer) a forward
             node belongs to, or -1; used by the per-layer and sqrt(n) policies.
+        scratch: bytes a node allocates inside itself beyond its output while it
+            runs (kernel workspace), or empty for none.
     """
 
     names: tuple[str, ...]
@@ -60,14 +62,16 @@ class RematProblem:
     never_recompute: tuple[int, ...] = ()
     must_recompute: tuple[int, ...] = ()
     layer: tuple[int, ...] = ()
+    scratch: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
         for name in ("phase", "inputs", "nbytes", "storage", "seconds", "flops"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RematProblem.{name} has {len(getattr(self, name))} entries, expected {n}")
-        if self.layer and len(self.layer) != n:
-            raise ValueError(f"RematProblem.layer has {len(self.layer)} entries, expected {n} or 0")
+        for name in ("layer", "scratch"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ValueError(f"RematProblem.{name} has {len(getattr(self, name))} entries, expected {n} or 0")
         for v, ins in enumerate(self.inputs):
             for u in ins:
                 if not 0 <= u < v:

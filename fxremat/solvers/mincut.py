@@ -1,0 +1,495 @@
+"""Min-cut rematerialization: a sweep of s-t cuts on the split-node graph (networkx).
+
+Each relevant forward value ``v`` becomes two nodes, ``(v, IN)`` and
+``(v, OUT)``. A cut puts every node on the source side (runs in the forward
+only) or the sink side (available to the backward):
+
+- ``SOURCE -> (v, IN)``, capacity ``seconds[v]``: cut when ``v`` is recomputed
+  (infinite for values that may not run twice);
+- ``(v, IN) -> (v, OUT)``, capacity ``lam * bytes``: cut when ``v`` is kept
+  (0 for forward outputs, which the user holds anyway; infinite for
+  ``must_recompute``);
+- ``(u, OUT) -> (v, IN)``, infinite, for each forward input ``u`` of ``v``: a
+  recomputed value needs its inputs in the backward;
+- ``(v, OUT) -> SINK``, infinite, when a backward node reads ``v``.
+
+Kept = values with ``(v, IN)`` on the source side and ``(v, OUT)`` on the sink
+side. The cut minimises ``recompute seconds + lam * kept bytes``; it does not
+see the transient memory of recomputation in the backward. So the sweep also
+forces checkpoints (the inputs of every k-th layer, or of every k-th of
+sqrt(n) segments) and cuts inside them, which bounds that transient, and
+every distinct candidate is judged by the shared liveness simulation
+(``schedule.decision``). Forced checkpoints split the graph into independent
+pieces, which are cut separately.
+
+When no candidate fits the budget, ``least_peak_search`` looks for a plan that
+does: exhaustively when at most ``EXHAUSTIVE_MAX_CHOICES`` values are free to
+choose (then the answer is exact), else by greedy single-value flips.
+
+Example:
+    >>> d = solve_mincut(problem, budget=2 << 30, options=SolveOptions(time_limit=5))
+    >>> d.kept, d.peak_bytes, d.feasible
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
+
+from . import schedule
+from .policies import (
+    Rules,
+    admit,
+    best,
+    has_layers,
+    keep_all,
+    keep_layer_inputs,
+    keep_nothing,
+    keep_segment_boundaries,
+    layer_inputs,
+    rank,
+    report_progress,
+    rules,
+    segment_boundaries,
+    sqrt_segments,
+)
+from .types import Decision, RematProblem, SolveOptions
+
+__all__ = ["solve_mincut", "min_cut_kept", "least_peak_search", "EXHAUSTIVE_MAX_CHOICES"]
+
+logger = logging.getLogger(__name__)
+
+# Trade-off range, in normalised units (fraction of all recompute seconds per
+# fraction of all keepable bytes). 1e-3 is below any single value's share of
+# either total in graphs of up to ~1000 values, so it keeps everything worth
+# keeping; 1e3 makes any byte dearer than all recomputation.
+LAM_MIN = 1e-3
+LAM_MAX = 1e3
+# Steps of the lam grid: 6 decades in 32 steps is a factor ~1.54 between
+# neighbours, about the accuracy of the roofline cost model behind the seconds.
+# Bisection visits log2(32) = 5 of them per variant.
+LAM_GRID = 32
+# When no lam fits, the coarse scan for the least peak looks at every
+# LAM_GRID / 8 = 4th grid point (9 cuts), then halves the step around the best.
+COARSE_STEPS = 8
+# Largest piece (relevant forward values between forced checkpoints) a
+# variant may cut besides stride 1. A variant costs ~7 cuts of ~3 distinct
+# pieces plus ~11 simulations; networkx's Boykov-Kolmogorov takes ~10 ms on
+# the ~400-node network of 200 values. On the synthetic GPT stacks of
+# tests/test_solvers.py stride 1 won at every budget, and this bound keeps
+# mincut under 1 s of CPU on their 3000-node version.
+MAX_PIECE_VALUES = 200
+# Exhaustive least-peak search up to 2**12 = 4096 plans: a few hundred ms on
+# graphs small enough to have so few free choices.
+EXHAUSTIVE_MAX_CHOICES = 12
+# Greedy least-peak search: at most this many simulations (~10 ms each on a
+# 3000-node graph), besides the time limit.
+GREEDY_MAX_EVALS = 100
+
+# The two halves of a split forward value.
+IN, OUT = 0, 1
+
+
+class _Node(NamedTuple):
+    """A network node: one half (``IN`` or ``OUT``) of a forward value, or a terminal.
+
+    A plain tuple underneath, so hashing stays in C (an Enum member hashes in
+    Python, which made networkx's dict lookups the bottleneck).
+    """
+
+    value: int
+    port: int
+
+
+# The terminals: value -1 is no node id.
+_SOURCE = _Node(-1, IN)
+_SINK = _Node(-1, OUT)
+
+
+# --------------------------------------------------------------------------
+# One cut
+# --------------------------------------------------------------------------
+
+
+def _costs(problem: RematProblem, rule: Rules) -> tuple[dict[int, float], dict[int, float]]:
+    """Normalised (keep, recompute) cost per relevant value: each sums to 1 over the relevant values."""
+    held = {problem.storage[v] for v in problem.fw_outputs}
+    keep = {v: 0 if problem.storage[v] in held else problem.nbytes[problem.storage[v]] for v in rule.relevant}
+    total_bytes = sum(keep.values()) or 1
+    total_seconds = sum(problem.seconds[v] for v in rule.relevant) or 1.0
+    return (
+        {v: c / total_bytes for v, c in keep.items()},
+        {v: problem.seconds[v] / total_seconds for v in rule.relevant},
+    )
+
+
+def _components(problem: RematProblem, nodes: list[int]) -> list[list[int]]:
+    """Weakly connected pieces of the forward graph restricted to ``nodes``, each sorted, by first id."""
+    parent = {v: v for v in nodes}
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for v in nodes:
+        for u in problem.inputs[v]:
+            if u in parent:
+                ru, rv = find(u), find(v)
+                if ru != rv:
+                    parent[max(ru, rv)] = min(ru, rv)
+    pieces: dict[int, list[int]] = {}
+    for v in nodes:
+        pieces.setdefault(find(v), []).append(v)
+    return [pieces[r] for r in sorted(pieces)]
+
+
+class _Cutter:
+    """Min cuts on one problem. Pieces that repeat (the same layer at another
+    offset) are cut once per ``lam`` and shifted, so a stride of k layers costs
+    about one k-layer cut, not L/k of them."""
+
+    def __init__(self, problem: RematProblem, rule: Rules):
+        self.problem, self.rule = problem, rule
+        self.keep_cost, self.recompute_cost = _costs(problem, rule)
+        self.needed = set(rule.needed)
+        self.cache: dict[tuple, tuple[int, ...]] = {}
+        self.pieces: dict[tuple[int, ...], tuple[tuple[int, ...], list[list[int]]]] = {}
+        self.cuts = 0
+
+    def split(self, forced=()) -> tuple[tuple[int, ...], list[list[int]]]:
+        """(forced ids that count, pieces left to cut) for a forced set."""
+        key = tuple(sorted(set(forced)))
+        if key not in self.pieces:
+            forced_set = (set(key) - self.rule.no_keep) & set(self.keep_cost)
+            pieces = _components(self.problem, [v for v in self.rule.relevant if v not in forced_set])
+            self.pieces[key] = (tuple(sorted(forced_set)), [p for p in pieces if any(v in self.needed for v in p)])
+        return self.pieces[key]
+
+    def cut(self, lam: float, forced=()) -> list[tuple[int, ...]]:
+        """Kept ids per part: the forced ids first, then one entry per piece of ``split(forced)``."""
+        forced_kept, pieces = self.split(forced)
+        return [forced_kept] + [self._cut_piece(piece, lam) for piece in pieces]
+
+    def kept(self, lam: float, forced=()) -> tuple[int, ...]:
+        """Kept ids of the cut, forced ones included."""
+        return _union(self.cut(lam, forced))
+
+    def _signature(self, piece: list[int], members: set[int]) -> tuple:
+        base, rule, problem = piece[0], self.rule, self.problem
+        return tuple(
+            (
+                v - base,
+                tuple(u - base for u in problem.inputs[v] if u in members),
+                v in self.needed,
+                v in rule.no_keep,
+                v in rule.no_recompute,
+                self.keep_cost[v],
+                self.recompute_cost[v],
+            )
+            for v in piece
+        )
+
+    def _cut_piece(self, piece: list[int], lam: float) -> tuple[int, ...]:
+        members = set(piece)
+        key = (self._signature(piece, members), lam)
+        if key not in self.cache:
+            self.cache[key] = self._solve_piece(piece, members, lam)
+        return tuple(piece[0] + offset for offset in self.cache[key])
+
+    def _solve_piece(self, piece: list[int], members: set[int], lam: float) -> tuple[int, ...]:
+        """Kept offsets (from ``piece[0]``) of the minimum cut of one piece."""
+        rule, problem = self.rule, self.problem
+        graph = nx.DiGraph()
+        for v in piece:
+            inp, out = _Node(v, IN), _Node(v, OUT)
+            graph.add_edge(_SOURCE, inp, capacity=math.inf if v in rule.no_recompute else self.recompute_cost[v])
+            graph.add_edge(inp, out, capacity=math.inf if v in rule.no_keep else lam * self.keep_cost[v])
+            for u in problem.inputs[v]:
+                if u in members:
+                    graph.add_edge(_Node(u, OUT), inp, capacity=math.inf)
+            if v in self.needed:
+                graph.add_edge(out, _SINK, capacity=math.inf)
+        self.cuts += 1
+        _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK, flow_func=boykov_kolmogorov)
+        return tuple(v - piece[0] for v in piece if _Node(v, IN) in source_side and _Node(v, OUT) not in source_side)
+
+
+def _union(parts) -> tuple[int, ...]:
+    return tuple(sorted(set().union(*parts)))
+
+
+def min_cut_kept(problem: RematProblem, lam: float, forced=()) -> tuple[int, ...]:
+    """Kept ids of the minimum cut at trade-off ``lam``, with ``forced`` values kept.
+
+    Forced values are available to the backward at a fixed cost, so they drop
+    out of the network and split it; each piece is cut on its own.
+
+    Args:
+        problem: the joint graph.
+        lam: weight of a kept byte against a recomputed second, in normalised
+            units (each cost is a fraction of its total over relevant values).
+        forced: forward ids to keep whatever the cut says (``must_recompute``
+            ids among them are ignored).
+
+    Returns:
+        Sorted kept ids, forced ones included (not yet closed: see
+        ``schedule.close``).
+
+    Raises:
+        ValueError: a ``must_recompute`` tag cannot be honoured.
+    """
+    return _Cutter(problem, rules(problem)).kept(lam, forced)
+
+
+# --------------------------------------------------------------------------
+# Candidates
+# --------------------------------------------------------------------------
+
+
+class _Candidates:
+    """Simulates each distinct admitted kept set once and remembers the decisions."""
+
+    def __init__(self, problem: RematProblem, rule: Rules, budget: int | None, solver: str):
+        self.problem, self.rule, self.budget, self.solver = problem, rule, budget, solver
+        self.seen: dict[tuple[int, ...], Decision] = {}
+
+    def judge(self, kept, label: str) -> Decision:
+        key = admit(self.rule, kept)
+        if key not in self.seen:
+            d = schedule.decision(self.problem, key, self.budget, self.solver, note=label)
+            self.seen[key] = d
+            logger.debug("%s: %s peak=%d recompute=%.3gs kept=%d", self.solver, label, d.peak_bytes, d.recompute_seconds, len(d.kept))
+        return self.seen[key]
+
+    def best(self) -> Decision:
+        return best(self.seen.values())
+
+
+def _variants(problem: RematProblem, rule: Rules) -> list[tuple[str, tuple[int, ...]]]:
+    """(label, forced ids) per cut variant, shortest stride first.
+
+    Strides of 1, 2, 4, ... layers (or sqrt(n) segments) between forced
+    checkpoints, while a piece stays under ``MAX_PIECE_VALUES``; then nothing
+    forced, under the same limit. Stride 1 always.
+    """
+    if has_layers(problem):
+        boundaries, unit = layer_inputs(problem), "layers"
+    else:
+        boundaries, unit = [()] + segment_boundaries(problem, sqrt_segments(problem)), "segments"
+    count = len(boundaries)
+    per_unit = len(rule.relevant) / max(count, 1)
+    variants = []
+    k = 1
+    while count > 1 and k < count and (k == 1 or k * per_unit <= MAX_PIECE_VALUES):
+        forced = sorted(set().union(*(boundaries[j] for j in range(0, count, k))))
+        variants.append((f"checkpoints every {k} {unit}", tuple(forced)))
+        k *= 2
+    if len(rule.relevant) <= MAX_PIECE_VALUES:
+        variants.append(("no forced checkpoints", ()))
+    return variants
+
+
+def _lam(i: int) -> float:
+    """The i-th of ``LAM_GRID + 1`` geometric steps from ``LAM_MIN`` to ``LAM_MAX``."""
+    return LAM_MIN * (LAM_MAX / LAM_MIN) ** (i / LAM_GRID)
+
+
+class _Sweep:
+    """The cuts of one forced set over the lam grid, judged against the budget."""
+
+    def __init__(self, cands: _Candidates, cutter: _Cutter, label: str, forced, deadline: float):
+        self.cands, self.cutter, self.label, self.forced, self.deadline = cands, cutter, label, forced, deadline
+        self.parts: dict[int, list[tuple[int, ...]]] = {}
+
+    def judge(self, i: int) -> Decision:
+        if i not in self.parts:
+            self.parts[i] = self.cutter.cut(_lam(i), self.forced)
+        return self.cands.judge(_union(self.parts[i]), f"{self.label}, lam={_lam(i):.3g}")
+
+    def late(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def run(self) -> None:
+        """The fastest cut; if it does not fit, the least lam that fits, then mixes of the two nearest cuts."""
+        if self.judge(0).feasible or self.cands.budget is None:
+            return
+        if self.judge(LAM_GRID).feasible:
+            self.first_fit(0, LAM_GRID)
+            return
+        # Neither end fits. The peak falls with lam while kept bytes dominate,
+        # then rises as the recompute transient grows: look for its minimum.
+        coarse = range(0, LAM_GRID + 1, LAM_GRID // COARSE_STEPS)
+        peaks = {}
+        for i in coarse:
+            if self.late():
+                return
+            d = self.judge(i)
+            if d.feasible:
+                self.first_fit(i - LAM_GRID // COARSE_STEPS, i)
+                return
+            peaks[i] = d.peak_bytes
+        at = min(peaks, key=lambda i: (peaks[i], i))
+        step = LAM_GRID // COARSE_STEPS // 2
+        while step and not self.late():
+            for i in (at - step, at + step):
+                if 0 <= i <= LAM_GRID:
+                    d = self.judge(i)
+                    if d.feasible:
+                        self.first_fit(i - step, i)
+                        return
+                    if d.peak_bytes < peaks[at]:
+                        at = i
+                        peaks[i] = d.peak_bytes
+            step //= 2
+
+    def first_fit(self, lo: int, hi: int) -> None:
+        """Bisect between a grid index that does not fit (lo) and one that does (hi), then mix them."""
+        while hi - lo > 1 and not self.late():
+            mid = (lo + hi) // 2
+            if self.judge(mid).feasible:
+                hi = mid
+            else:
+                lo = mid
+        if hi - lo == 1 and not self.late():
+            self.mix(self.parts[lo], self.parts[hi])
+
+    def mix(self, fast: list[tuple[int, ...]], lean: list[tuple[int, ...]]) -> None:
+        """Plans between two cuts: the first j differing pieces from the lean cut, the rest from the fast one.
+
+        Pieces are independent given the forced checkpoints, so this reaches
+        budgets between two points of the lam sweep (which only finds points
+        on the convex hull of time against bytes).
+        """
+        differ = [p for p in range(len(fast)) if fast[p] != lean[p]]
+        lo, hi = 0, len(differ)  # hi: all lean, fits; lo: all fast, does not fit
+        while hi - lo > 1 and not self.late():
+            mid = (lo + hi) // 2
+            switched = set(differ[:mid])
+            parts = [lean[p] if p in switched else fast[p] for p in range(len(fast))]
+            if self.cands.judge(_union(parts), f"{self.label}, {mid} of {len(differ)} pieces lean").feasible:
+                hi = mid
+            else:
+                lo = mid
+
+
+# --------------------------------------------------------------------------
+# Least-peak search
+# --------------------------------------------------------------------------
+
+
+def least_peak_search(problem: RematProblem, budget: int | None, starts, deadline: float, solver: str = "mincut") -> tuple[Decision, bool]:
+    """Search for a plan that fits (else the least peak), when the usual candidates did not fit.
+
+    With at most ``EXHAUSTIVE_MAX_CHOICES`` values free to choose (relevant,
+    neither ``must_recompute`` nor forced to be kept), every kept set is tried
+    and the result is exact: the fastest plan that fits, else the least peak
+    over all plans. Otherwise single values are flipped greedily, from the
+    least-peak start, while the peak falls.
+
+    Args:
+        problem: the joint graph.
+        budget: peak bytes to fit, or None.
+        starts: kept sets to start from (the least-peak one is the start).
+        deadline: ``time.perf_counter()`` value to stop at.
+        solver: name recorded in the decisions.
+
+    Returns:
+        (best decision found, whether the search was exhaustive and complete).
+    """
+    rule = rules(problem)
+    cands = _Candidates(problem, rule, budget, solver)
+    for kept in list(starts) or [keep_all(problem)]:
+        cands.judge(kept, "start")
+    choices = [v for v in rule.relevant if v not in rule.no_keep and v not in rule.no_recompute]
+    if len(choices) <= EXHAUSTIVE_MAX_CHOICES:
+        for mask in range(1 << len(choices)):
+            if time.perf_counter() > deadline:
+                return cands.best(), False
+            cands.judge([v for i, v in enumerate(choices) if mask >> i & 1], "exhaustive")
+        return cands.best(), True
+    current = cands.best()
+    evals = 0
+    improved = True
+    moves = sorted(choices, key=lambda v: (-problem.nbytes[problem.storage[v]], v))  # big values first
+    while improved and not current.feasible and evals < GREEDY_MAX_EVALS:
+        improved = False
+        for v in moves:
+            if evals >= GREEDY_MAX_EVALS or time.perf_counter() > deadline:
+                break
+            flipped = admit(rule, set(current.kept) ^ {v})
+            evals += flipped not in cands.seen
+            d = cands.judge(flipped, f"greedy flip of {v}")
+            if rank(d) < rank(current):
+                current, improved = d, True
+                if current.feasible:
+                    break
+    return cands.best(), False
+
+
+# --------------------------------------------------------------------------
+# Solver
+# --------------------------------------------------------------------------
+
+
+def solve_mincut(problem: RematProblem, budget: int | None, options: SolveOptions = SolveOptions()) -> Decision:
+    """Choose kept values by a sweep of min cuts, judged by the liveness simulation.
+
+    Candidates: the reference policies (save all, layer inputs or sqrt(n)
+    segments, inputs only); then per variant (forced checkpoints every 1, 2,
+    4, ... layers, and nothing forced on graphs of at most
+    ``MAX_PIECE_VALUES`` relevant values) the fastest cut, and when it does
+    not fit, a bisection on ``lam`` for the least ``lam`` whose plan fits
+    followed by mixes of the two cuts around it, piece by piece. Returns the
+    fastest candidate that fits; if none fits, the result of
+    ``least_peak_search``. The same input gives the same plan unless the
+    time limit cuts the sweep short.
+
+    Args:
+        problem: the joint graph.
+        budget: peak bytes to fit, or None for the fastest plan.
+        options: ``time_limit`` bounds the sweep (the best plan so far is
+            returned when it runs out); ``progress(done, total, message)`` is
+            called after each variant.
+
+    Returns:
+        The decision (``solver="mincut"``); ``feasible=False`` with the least
+        peak found when nothing fits.
+
+    Raises:
+        ValueError: a ``must_recompute`` tag cannot be honoured.
+    """
+    started = time.perf_counter()
+    deadline = started + options.time_limit
+    rule = rules(problem)
+    cands = _Candidates(problem, rule, budget, "mincut")
+    cutter = _Cutter(problem, rule)
+    policies = [("save_all", keep_all(problem)), ("inputs only", keep_nothing(problem))]
+    policies.append(("layer inputs", keep_layer_inputs(problem)) if has_layers(problem) else ("sqrt(n) segments", keep_segment_boundaries(problem)))
+    for label, kept in policies:
+        cands.judge(kept, label)
+    variants = _variants(problem, rule)
+    note = ""
+    for done, (label, forced) in enumerate(variants):
+        if time.perf_counter() > deadline:
+            note = f"time limit {options.time_limit:g}s hit after {done} of {len(variants)} cut variants"
+            break
+        _Sweep(cands, cutter, label, forced, deadline).run()
+        report_progress(options, done + 1, len(variants), label)
+    result = cands.best()
+    if not result.feasible:
+        starts = sorted(cands.seen, key=lambda k: rank(cands.seen[k]))[:1]
+        result, exact = least_peak_search(problem, budget, starts, deadline)
+        how = "exhaustive" if exact else "greedy"
+        note = "; ".join(filter(None, [note, f"no cut fits the budget; {how} least-peak search: {result.note}"]))
+    else:
+        note = "; ".join(filter(None, [note, result.note]))
+    logger.info("mincut: %d cuts, %d candidates, peak %d, recompute %.3gs, feasible %s", cutter.cuts, len(cands.seen), result.peak_bytes, result.recompute_seconds, result.feasible)
+    return replace(result, solver="mincut", solve_seconds=time.perf_counter() - started, note=note)
