@@ -67,26 +67,30 @@ def _dry_compiler(gm: fx.GraphModule, example_inputs, **_kwargs):
 _USER_OUTPUTS = "fxremat_num_user_outputs"
 
 
+def _mark(fw_and_bw, num_fwd_outputs: int):
+    fw, bw = fw_and_bw
+    fw.meta[_USER_OUTPUTS] = num_fwd_outputs
+    return fw, bw
+
+
+class _DryPartitioner(FxrematPartitioner):
+    """fxremat's partitioner, also telling the dry compiler how many outputs the user sees."""
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        return _mark(super().__call__(gm, joint_inputs, **kwargs), kwargs.get("num_fwd_outputs", 0))
+
+
 def _dry_backend(options: Options):
-    def mark(fw_and_bw, num_fwd_outputs):
-        fw, bw = fw_and_bw
-        fw.meta[_USER_OUTPUTS] = num_fwd_outputs
-        return fw, bw
-
-    def partition(gm, joint_inputs, **kwargs):
-        return mark(_partition_guarded(gm, joint_inputs, options, **kwargs), kwargs.get("num_fwd_outputs", 0))
-
     if options.inner == "eager":
-        return aot_autograd(fw_compiler=_dry_compiler, bw_compiler=_dry_compiler, partition_fn=partition)
+        def partition(gm, joint_inputs, **kwargs):
+            return _mark(_partition_guarded(gm, joint_inputs, options, **kwargs), kwargs.get("num_fwd_outputs", 0))
 
-    class DryPartitioner(FxrematPartitioner):
-        def __call__(self, gm, joint_inputs, **kwargs):
-            return mark(super().__call__(gm, joint_inputs, **kwargs), kwargs.get("num_fwd_outputs", 0))
+        return aot_autograd(fw_compiler=_dry_compiler, bw_compiler=_dry_compiler, partition_fn=partition)
 
     def inductor_dry(gm, example_inputs):
         return compile_fx.compile_fx(
             gm, example_inputs, inner_compile=_dry_compiler,
-            config_patches={"custom_partitioner_fn": DryPartitioner(options)},
+            config_patches={"custom_partitioner_fn": _DryPartitioner(options)},
         )
 
     return inductor_dry

@@ -1,4 +1,4 @@
-"""Silence C++ chatter on stderr (the profiler's "USDT ... profiler_start" lines)."""
+"""Silence native libraries that print past Python (profiler USDT lines, HiGHS progress)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,32 @@ import contextlib
 import os
 import sys
 
-__all__ = ["quiet_stderr"]
+__all__ = ["quiet_stderr", "quiet_stdout"]
+
+
+def quiet_stderr():
+    """Silence file descriptor 2 for a block: the profiler's native "USDT" lines."""
+    return _quiet(sys.stderr)
+
+
+def quiet_stdout():
+    """Silence file descriptor 1 for a block: HiGHS's native progress prints."""
+    return _quiet(sys.stdout)
 
 
 @contextlib.contextmanager
-def quiet_stderr():
-    """Send file descriptor 2 to /dev/null for the block (Python's sys.stderr is flushed first).
+def _quiet(stream):
+    """Send ``stream``'s file descriptor to /dev/null for the block (the stream is flushed first).
 
-    Used around fxremat's own profiler sessions, whose native logging would
-    otherwise print two lines per session into the user's terminal.
+    Native libraries write to the descriptor directly, past Python's streams.
+    Pure Python, no torch: the solvers use it too.
     """
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # no real stderr (e.g. captured): nothing to silence
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptor (e.g. captured): nothing to silence
         yield
         return
-    sys.stderr.flush()
+    stream.flush()
     saved = os.dup(fd)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:

@@ -486,7 +486,8 @@ def test_transformer_stack_fits_shrinking_budgets():
         budget = int(full * fraction)
         d = solve(p, budget, "auto", OPTIONS)
         assert d.feasible and d.peak_bytes <= budget
-        assert d.solver in ("auto:ilp", "auto:mincut") and d.gap == 0.0
+        assert d.solver in ("auto:ilp", "auto:mincut")
+        assert d.gap in (0.0, None) and (d.solver == "auto:mincut" or d.gap == 0.0)
         assert d.recompute_seconds >= previous - 1e-12
         previous = d.recompute_seconds
         cut = solve_mincut(p, budget, OPTIONS)

@@ -179,14 +179,16 @@ def partition(
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
         sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name)
-        if options.on_infeasible == "error":
-            raise BudgetError(options.budget, sim.peak, where=graph_name)
         decision = least
-        note = (
-            f"budget {format_bytes(options.budget)} is below the least reachable peak "
-            f"{format_bytes(sim.peak)}; using the least-memory plan (on_infeasible='min')"
-        )
-        warnings.warn(f"fxremat {graph_name}: {note}", stacklevel=2)
+        fits = sim.peak <= options.budget  # the least-memory plan may still fit a budget at its edge
+        if not fits:
+            if options.on_infeasible == "error":
+                raise BudgetError(options.budget, sim.peak, where=graph_name)
+            note = (
+                f"budget {format_bytes(options.budget)} is below the least reachable peak "
+                f"{format_bytes(sim.peak)}; using the least-memory plan (on_infeasible='min')"
+            )
+            warnings.warn(f"fxremat {graph_name}: {note}", stacklevel=2)
     if decision.note:
         note = f"{note}; {decision.note}" if note else decision.note
     timings["solve"] = solve_seconds

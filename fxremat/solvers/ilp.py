@@ -46,6 +46,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from ..quiet import quiet_stdout
 from . import schedule
 from .mincut import solve_mincut
 from .policies import Rules, best, forward_ancestors, report_progress, rules
@@ -301,7 +302,8 @@ class _Program:
             matrix = coo_array((np.array(vals, dtype=float), (np.array(rows, dtype=int), np.array(cols, dtype=int))), shape=(len(self.lower_rhs), n)).tocsr()
             constraints.append(LinearConstraint(matrix, np.array(self.lower_rhs), np.array(high)))
         options = {"time_limit": max(seconds_left, 0.01), "mip_rel_gap": MIP_REL_GAP, "disp": False}
-        return milp(np.array(self.cost), integrality=np.array(self.integer), bounds=Bounds(np.zeros(n), np.array(self.upper)), constraints=constraints, options=options)
+        with quiet_stdout():  # HiGHS prints MIP progress from C++ whatever disp says
+            return milp(np.array(self.cost), integrality=np.array(self.integer), bounds=Bounds(np.zeros(n), np.array(self.upper)), constraints=constraints, options=options)
 
     def kept(self, x) -> tuple[int, ...]:
         return tuple(v for v in self.facts.rule.relevant if x[self.s(v)] > 0.5)
