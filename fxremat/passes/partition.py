@@ -57,12 +57,25 @@ def _prepare(joint: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
 
 
 def _records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], ids) -> tuple[ValueRecord, ...]:
+    """One record per value; each storage's bytes go to one value that holds it.
+
+    A view of a tensor the plan does not itself keep still keeps that storage
+    alive, so the view carries the bytes (the first such view, in graph order).
+    """
+    problem = pg.problem
+    ids = sorted(ids)
+    owners_listed = {i for i in ids if problem.storage[i] == i}
+    charged: set[int] = set()
     out = []
     for i in ids:
         node = pg.nodes[i]
         c = costs[node]
-        nbytes = costs[c.owner].nbytes if c.owner in costs else 0
-        out.append(ValueRecord(node.name, c.op, c.module, nbytes if c.owner is node else 0, c.flops, c.seconds))
+        s = problem.storage[i]
+        nbytes = 0
+        if s not in charged and (s == i or s not in owners_listed):
+            nbytes = problem.nbytes[s]
+            charged.add(s)
+        out.append(ValueRecord(node.name, c.op, c.module, nbytes, c.flops, c.seconds))
     return tuple(out)
 
 
