@@ -39,12 +39,9 @@ class Hardware:
 
 
 HARDWARE = {
-    # A 2-core x86 server slice running fp32 through oneDNN/MKL: ~50 GFLOP/s
-    # dense, ~10 GB/s effective memory bandwidth for torch's pointwise kernels,
-    # ~5 us of dispatcher overhead per op (measured order of magnitude on the
-    # development machine; issue "Cost model" refines it with a microbenchmark).
-    "cpu": Hardware("cpu", 50e9, 10e9, 5e-6),
-    # NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e.
+    # This host, measured once by a microbenchmark and cached (passes/host.py).
+    "cpu": None,
+    # NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e; ~5 us per kernel launch.
     "a100": Hardware("a100", 312e12, 2.0e12, 5e-6),
     # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3.
     "h100": Hardware("h100", 989e12, 3.35e12, 5e-6),
@@ -55,10 +52,13 @@ HARDWARE = {
 
 def get_hardware(name: str) -> Hardware:
     """The named profile; unknown names raise ValueError listing the valid ones."""
-    try:
-        return HARDWARE[name]
-    except KeyError:
-        raise ValueError(f"hardware={name!r} is not a known profile; choose one of {sorted(HARDWARE)}") from None
+    if name not in HARDWARE:
+        raise ValueError(f"hardware={name!r} is not a known profile; choose one of {sorted(HARDWARE)}")
+    if name == "cpu":
+        from .host import measure_cpu
+
+        return Hardware("cpu", *measure_cpu())
+    return HARDWARE[name]
 
 
 @dataclass(frozen=True)
