@@ -17,7 +17,7 @@ import torch.fx as fx
 from .._torch_compat import functorch_config, fx_graph_cse, partitioners
 from ..budget import BudgetError, format_bytes
 from ..options import Options
-from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, record
+from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, plans, record
 from ..solvers.registry import solve
 from ..solvers.schedule import bw_reads, close, liveness, programs
 from ..solvers.types import SolveOptions
@@ -110,6 +110,29 @@ def _saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
     inputs = {a for n in readers for a in n.all_input_nodes if a.op == "placeholder" and not is_tangent(a)}
     graph_inputs = [n for n in pg.nodes[0].graph.nodes if n in inputs]
     return graph_inputs + [pg.nodes[i] for i in decision.kept]
+
+
+_WARNED_SHARED: set[str] = set()
+
+
+def _warn_if_shared_budget(plan: Plan, options: Options) -> None:
+    """Warn once per option set when a second graph is planned under the same budget.
+
+    Graph breaks split a step into several graphs; each is planned under the
+    whole budget, because a graph cannot see what the others keep alive.
+    """
+    if options.budget is None or options.key() in _WARNED_SHARED:
+        return
+    earlier = [p for p in plans() if p.budget == options.budget]
+    if earlier:
+        _WARNED_SHARED.add(options.key())
+        warnings.warn(
+            f"fxremat planned {plan.graph} under budget {format_bytes(options.budget)} after "
+            f"{len(earlier)} other graph(s) with the same budget. If they run in one training step "
+            "(graph breaks), each is planned under the whole budget and the step can peak above it; "
+            "remove the breaks (torch._dynamo.explain) for one budget over the whole step.",
+            stacklevel=2,
+        )
 
 
 def partition(
@@ -236,6 +259,7 @@ def partition(
         references=_references(problem),
         problem=problem,
     )
+    _warn_if_shared_budget(plan, options)
     record(plan)
     log.info(
         "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
