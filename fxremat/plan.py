@@ -91,6 +91,10 @@ class Plan:
     backward_code: str = ""
     nodes: tuple[NodeRecord, ...] = ()
     """The joint graph (graph inputs omitted), with each node's role in the plan."""
+    input_bytes: int = 0
+    """Parameters, buffers and inputs the graph reads: they exist before the step."""
+    largest: tuple[str, str, int] = ("", "", 0)
+    """(name, module, bytes) of the largest tensor the step allocates (logits, for a language model)."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: object = field(default=None, repr=False, compare=False)
@@ -129,6 +133,7 @@ class Plan:
         lines += [
             "",
             "memory anatomy of the step (above what exists before it):",
+            f"  weights and inputs      {format_bytes(self.input_bytes):>12}  (before the step: not counted)",
             f"  saved for backward      {format_bytes(self.saved_bytes):>12}",
             f"  forward outputs         {format_bytes(self.output_bytes):>12}",
             f"  gradient inputs         {format_bytes(self.tangent_bytes):>12}",
@@ -136,8 +141,9 @@ class Plan:
             f"  predicted peak          {format_bytes(self.predicted_peak):>12}"
             + ("" if self.budget is None else f"  (budget {format_bytes(self.budget)})"),
             f"  fastest plan's peak     {format_bytes(self.fastest_peak):>12}",
-            "Weights, optimizer state and the gradients returned exist whatever the plan; remat only trades"
-            " saved activations for recompute time.",
+            f"  largest tensor          {format_bytes(self.largest[2]):>12}  ({self.largest[0]} in {self.largest[1] or '<top>'})",
+            "Weights, optimizer state, the gradients returned and what the loss needs (a language model's logits)"
+            " exist whatever the plan; remat only trades saved activations for recompute time.",
         ]
         return "\n".join(lines)
 

@@ -90,6 +90,15 @@ def _node_records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], decision: De
     return tuple(out)
 
 
+def _largest(pg: ProblemGraph, costs: dict[fx.Node, NodeCost]) -> tuple[str, str, int]:
+    problem = pg.problem
+    if not problem.size:
+        return ("", "", 0)
+    tangents = set(problem.tangents)
+    i = max((v for v in range(problem.size) if v not in tangents), key=lambda v: (problem.nbytes[v], -v), default=0)
+    return (pg.nodes[i].name, costs[pg.nodes[i]].module, problem.nbytes[i])
+
+
 def _references(problem) -> dict[str, tuple[tuple[str, int], ...]]:
     """Predicted timelines of the extremes: keep everything, keep only graph inputs."""
     refs = {}
@@ -257,6 +266,8 @@ def partition(
         backward_code=bw.code,
         nodes=_node_records(pg, costs, decision),
         references=_references(problem),
+        input_bytes=sum(costs[n].nbytes for n in joint.graph.find_nodes(op="placeholder") if not is_tangent(n)),
+        largest=_largest(pg, costs),
         problem=problem,
     )
     _warn_if_shared_budget(plan, options)
