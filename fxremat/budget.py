@@ -121,7 +121,9 @@ def parse_budget(value: object, *, name: str = "budget") -> int | None:
         raise ValueError(f"{name}={value!r} cannot be parsed; expected {_FORMS}")
     number = float(match.group(1))
     nbytes = number * _UNITS[match.group(2).lower()]
-    if not math.isfinite(nbytes) or nbytes < 1:
+    if not math.isfinite(nbytes):
+        raise ValueError(f"{name}={value!r} is too large to be a number of bytes; expected {_FORMS}")
+    if nbytes < 1:
         raise ValueError(f"{name}={value!r} must be at least one byte; expected {_FORMS}")
     return int(nbytes)
 

@@ -12,7 +12,9 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from .._torch_compat import functorch_config, fx_graph_cse, partitioners
 from ..budget import BudgetError, format_bytes
@@ -36,6 +38,9 @@ log = logging.getLogger("fxremat")
 # does not model (getitem placement, views of graph inputs); a few rounds of
 # tightening the solver's target by the observed excess close that gap.
 TIGHTEN_ROUNDS = 4
+# Floor on the time the least-memory search gets before a BudgetError (min-cut's
+# least-peak search takes 0.7-4.4 s on 1-4k-node graphs; see docs/SOLVER_SCALING.md).
+LEAST_SEARCH_SECONDS = 10.0
 
 
 def _prepare(joint: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
@@ -121,6 +126,21 @@ def _saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
     return graph_inputs + [pg.nodes[i] for i in decision.kept]
 
 
+def _specialize_sizes(joint: fx.GraphModule) -> None:
+    """Guard every symbolic size of the inputs to its current value.
+
+    A plan is checked against the budget at concrete sizes; a longer sequence
+    would peak higher. With a budget, each new size therefore recompiles and
+    is planned anew (Dynamo's recompile limit then bounds how many sizes compile).
+    """
+    for node in joint.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    guard_int(size)
+
+
 _WARNED_SHARED: set[str] = set()
 
 
@@ -179,6 +199,8 @@ def partition(
             static_lifetime_input_indices=static_lifetime_input_indices or [],
             static_lifetime_input_nodes=info.static_lifetime_input_nodes,
         )
+    if options.budget is not None:
+        _specialize_sizes(joint)
     hardware = get_hardware(options.hardware)
     costs = annotate(joint, hardware)
     timings["cost"] = time.perf_counter() - t0
@@ -218,7 +240,9 @@ def partition(
     assert decision is not None
     fits = decision.feasible and sim is not None and (options.budget is None or sim.peak <= options.budget)
     if not fits:
-        least = solve(problem, 1, options.solver, solve_options)
+        # The least-memory search gets at least LEAST_SEARCH_SECONDS: a BudgetError must name a
+        # least peak that is really the least fxremat can reach, not a time-starved guess.
+        least = solve(problem, 1, options.solver, SolveOptions(time_limit=max(options.time_limit, LEAST_SEARCH_SECONDS)))
         fw, bw = apply_decision(
             joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
@@ -279,5 +303,8 @@ def partition(
         plan.recompute_seconds * 1e3, plan.solver, solve_seconds * 1e3,
     )
     if options.dump_dir:
-        plan.save(Path(options.dump_dir) / graph_name.replace(" ", "_"))
+        try:
+            plan.save(Path(options.dump_dir) / graph_name.replace(" ", "_"))
+        except OSError as exc:  # the plan is good and will run; only its files are missing
+            warnings.warn(f"fxremat could not save {graph_name}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=2)
     return fw, bw
