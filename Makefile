@@ -24,5 +24,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py
 
+# 500 random models and budgets (make test runs 25).
+fuzz: $(STAMP)
+	FXREMAT_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info
