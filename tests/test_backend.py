@@ -185,3 +185,13 @@ def test_graph_break_warns_that_each_graph_gets_the_whole_budget():
         loss = _step(_compile(model, budget="64MiB"), (x,))
     _compare(ref, ref_loss, model, loss)
     assert len(fxremat.plans()) == 2
+
+
+def test_measure_can_wrap_the_compiling_call():
+    # The first call compiles inside measure's profiler; fxremat's own scratch
+    # profiling must not nest a second session (it skips, and says so in the log).
+    torch._dynamo.reset()
+    base, inputs = ZOO["mlp"]()
+    compiled = torch.compile(copy.deepcopy(base), backend=fxremat.backend(budget="4MiB", inner="eager"))
+    m = measure(lambda: compiled(*inputs).backward(), reps=1, warmup=0)
+    assert m.peak_bytes > 0

@@ -957,11 +957,6 @@ def test_inductor_fx_graph_cache_never_serves_another_budgets_plan(inductor_cach
     assert second[1]["grads_ok"]  # budget A again: served from the cache, still correct
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "A warm AOTAutograd/FX graph cache hit (same model, same options, a second process) skips the "
-    "partitioner, so fxremat.plans() stays empty for that graph: the plan is not reachable, against "
-    "DESIGN.md 'Every compiled graph's plan is reachable afterwards'. The plan would have to be stored "
-    "with the cache entry (or the cache bypassed for the partitioner's observability)"))
 def test_inductor_cache_hit_still_records_a_plan(inductor_cache_runs):
     _, second = inductor_cache_runs
     assert second[1]["plans"] == 1 and second[1]["plan_budget"] == CACHE_BUDGET_A, second[1]

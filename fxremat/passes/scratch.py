@@ -150,6 +150,11 @@ def _run_cuda(node: fx.Node) -> int:
 
 def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
     """Run every op once inside one profiler session, each under its own marker."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        # A profiler is already running (compiling inside fxremat.measure or a user's
+        # trace): sessions do not nest, so CPU workspace is unknown for this graph.
+        log.info("a profiler is active: op scratch not measured for this graph (counted as 0)")
+        return {}
     outs: dict[int, object] = {}
     with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, (_, node) in enumerate(items):
