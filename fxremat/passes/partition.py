@@ -22,8 +22,7 @@ from ..options import Options
 from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, plans, record
 from ..solvers.registry import solve
 from ..solvers.schedule import bw_reads, close, liveness, programs
-from ..solvers.types import SolveOptions
-from ..solvers.types import BACKWARD, FORWARD, Decision
+from ..solvers.types import BACKWARD, FORWARD, Decision, SolveOptions
 from .apply import apply_decision
 from .cost import NodeCost, annotate, get_hardware
 from .problem import ProblemGraph, build_problem, is_tangent
