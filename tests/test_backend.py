@@ -13,10 +13,8 @@ import torch
 import fxremat
 from fxremat import measure
 
+from checks import compare
 from zoo import ZOO
-
-ATOL = 1e-5
-RTOL = 1e-4
 
 
 def _step(model, inputs, seed=0):
@@ -24,23 +22,6 @@ def _step(model, inputs, seed=0):
     loss = model(*inputs)
     loss.backward()
     return loss.detach()
-
-
-def _state(model):
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return grads, buffers
-
-
-def _compare(ref_model, ref_loss, model, loss):
-    torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
-    ref_grads, ref_buffers = _state(ref_model)
-    grads, buffers = _state(model)
-    assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=RTOL, msg=f"gradient of {name}")
-    for name in ref_buffers:
-        torch.testing.assert_close(buffers[name], ref_buffers[name], atol=ATOL, rtol=RTOL, msg=f"buffer {name}")
 
 
 def _compile(model, **options):
@@ -74,7 +55,7 @@ def test_zoo_matches_eager_under_budgets(name):
         model = copy.deepcopy(base)
         compiled = _compile(model, budget=budget)
         loss = _step(compiled, inputs)
-        _compare(ref, ref_loss, model, loss)
+        compare(ref, ref_loss, model, loss)
         plans = fxremat.plans()
         if budget is not None:
             assert all(p.predicted_peak <= budget for p in plans), [p.summary() for p in plans]
@@ -156,7 +137,7 @@ def test_inductor_end_to_end_matches_eager():
     model = copy.deepcopy(base)
     compiled = torch.compile(model, backend="fxremat", options={"budget": budget, "on_infeasible": "min"})
     loss = _step(compiled, inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     plan = fxremat.plans()[-1]
     assert plan.predicted_peak <= budget or not plan.feasible
     model.zero_grad(set_to_none=False)
@@ -183,7 +164,7 @@ def test_graph_break_warns_that_each_graph_gets_the_whole_budget():
     model = copy.deepcopy(base)
     with pytest.warns(UserWarning, match="each is planned under the whole budget"):
         loss = _step(_compile(model, budget="64MiB"), (x,))
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     assert len(fxremat.plans()) == 2
 
 

@@ -29,10 +29,9 @@ import fxremat
 from fxremat import Options
 from fxremat.backend import FxrematPartitioner
 
+from checks import ATOL, RTOL, compare
 from zoo import Transformer
 
-ATOL = 1e-5
-RTOL = 1e-4
 LEAST = {"budget": 1, "on_infeasible": "min"}  # the least-memory plan, with a warning
 LEAST_WARNING = "least-memory plan"
 
@@ -55,24 +54,6 @@ def _step(model, inputs, seed=0):
     return loss.detach()
 
 
-def _state(model):
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return grads, buffers
-
-
-def _compare(ref_model, ref_loss, model, loss, atol=ATOL, rtol=RTOL):
-    torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=rtol)
-    ref_grads, ref_buffers = _state(ref_model)
-    grads, buffers = _state(model)
-    assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=rtol, msg=f"gradient of {name}")
-    assert buffers.keys() == ref_buffers.keys()
-    for name in ref_buffers:
-        torch.testing.assert_close(buffers[name], ref_buffers[name], atol=atol, rtol=rtol, msg=f"buffer {name}")
-
-
 def _compile(model, dynamic=None, **options):
     torch._dynamo.reset()
     fxremat.clear_plans()
@@ -90,7 +71,7 @@ def _check(base, inputs, **options):
             loss = _step(compiled, inputs)
     else:
         loss = _step(compiled, inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     plans = fxremat.plans()
     assert plans, "the backend recorded no plan"
     return plans, model
@@ -389,7 +370,7 @@ def test_multiple_outputs_loss_from_one():
     for name, p in ref.named_parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _compare(ref, torch.zeros(()), model, torch.zeros(()))
+    compare(ref, torch.zeros(()), model, torch.zeros(()))
 
 
 class SinSquare(torch.autograd.Function):
@@ -474,7 +455,7 @@ def test_bf16_autocast_on_cpu():
         loss = _step(compiled, (x,))
     assert loss.dtype == ref_loss.dtype == torch.bfloat16
     # bf16 has an 8-bit mantissa: compare at bf16's resolution (assert_close's bf16 defaults).
-    _compare(ref, ref_loss, model, loss, atol=1e-5, rtol=1.6e-2)
+    compare(ref, ref_loss, model, loss, atol=1e-5, rtol=1.6e-2)
 
 
 def Tiny():
@@ -507,7 +488,7 @@ def test_dynamic_shapes_grads_and_budget_at_each_length():
         model.zero_grad(set_to_none=True)
         before = len(fxremat.plans())
         loss = _step(compiled, (x,))
-        _compare(ref, ref_loss, model, loss)
+        compare(ref, ref_loss, model, loss)
         recompiled.append(len(fxremat.plans()) > before)
         model.zero_grad(set_to_none=False)
         measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
@@ -566,7 +547,7 @@ def test_graph_break_each_graph_planned_under_the_whole_budget():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = _step(compiled, inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     plans = fxremat.plans()
     assert len(plans) == 2
     for plan in plans:
@@ -656,7 +637,7 @@ def test_input_mutation_applied_once():
     compiled = _compile(model, **LEAST)
     with pytest.warns(UserWarning, match=LEAST_WARNING):
         loss = _step(compiled, (x, state))
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     torch.testing.assert_close(state, ref_state, atol=0, rtol=0)
 
 
@@ -691,7 +672,7 @@ def test_aliased_outputs_and_no_grad_region_float64():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss = run(compiled)
-        _compare(ref, ref_loss, model, loss)
+        compare(ref, ref_loss, model, loss)
         assert fxremat.plans()
 
 
@@ -762,10 +743,10 @@ def test_planning_failure_fallback_warns_once_and_trains_correctly(broken_solver
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = _step(compiled, inputs)
-        _compare(ref, ref_loss, model, loss)
+        compare(ref, ref_loss, model, loss)
         model.zero_grad()
         loss = _step(compiled, inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     fallbacks = [w for w in caught if "on_error='fallback'" in str(w.message)]
     assert len(fallbacks) == 1, [str(w.message) for w in caught]
     assert "solver exploded" in str(fallbacks[0].message)
@@ -782,7 +763,7 @@ def test_recorded_plan_is_the_one_that_runs_when_dump_fails(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = _step(compiled, inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     fell_back = any("on_error='fallback'" in str(w.message) for w in caught)
     assert not (fell_back and fxremat.plans()), "plans() lists an fxremat plan for a graph min-cut partitioned"
     assert not fell_back, "a failed dump discarded fxremat's plan"
@@ -798,7 +779,7 @@ def test_budget_error_leaves_training_untouched_and_recompile_works():
     assert info.value.least_peak > 1000
     assert all(p.grad is None for p in model.parameters())
     loss = _step(_compile(model, budget=info.value.least_peak), inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     assert fxremat.plans()[-1].predicted_peak <= info.value.least_peak
 
 
@@ -820,7 +801,7 @@ def test_time_limit_hit_still_gives_a_feasible_plan_or_says_so(time_limited):
     except fxremat.BudgetError as exc:
         assert "time limit" in str(exc), f"budget {budget}: {exc}"
         return
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     plan = fxremat.plans()[-1]
     assert (plan.feasible and plan.predicted_peak <= budget) or "time limit" in plan.note, plan.note
 
@@ -832,7 +813,7 @@ def test_time_limit_hit_with_on_infeasible_min_is_correct_and_noted(time_limited
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss = _step(_compile(model, budget=budget, time_limit=1e-6, on_infeasible="min"), inputs)
-    _compare(ref, ref_loss, model, loss)
+    compare(ref, ref_loss, model, loss)
     plan = fxremat.plans()[-1]
     assert (plan.feasible and plan.predicted_peak <= budget) or "time limit" in plan.note, plan.note
 
