@@ -110,7 +110,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: Options):
     # AOTAutograd's cache would serve a partitioned graph without calling the partitioner,
     # leaving no Plan to inspect; with it off the joint graph is re-planned (fast) while
     # Inductor's FX graph cache, keyed by the partitioner's uuid, still skips code generation.
-    patches = {"custom_partitioner_fn": partitioner}
+    patches: dict[str, object] = {"custom_partitioner_fn": partitioner}
     if options.budget is not None:
         # Layout optimisation inserts channels-last copies of convolution inputs after
         # planning, memory the plan never saw (a CNN measured 1.035x its budget with it).
@@ -130,6 +130,9 @@ def fxremat_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
 
     Returns:
         The compiled callable.
+
+    Example:
+        >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "2GiB", "inner": "eager"})
     """
     return _compile(gm, example_inputs, Options.from_mapping(options))
 
@@ -144,7 +147,8 @@ def backend(budget: int | str | None = None, **options: Any) -> Callable:
             and the variable is set.
         **options: ``inner`` ("inductor" or "eager"), ``solver``, ``hardware``,
             ``on_infeasible`` ("error" or "min"), ``on_error`` ("raise" or
-            "fallback"), ``time_limit``, ``dump_dir``.
+            "fallback"), ``time_limit``, ``dump_dir``, ``measure_scratch``
+            (see ``fxremat.Options``).
 
     Returns:
         A backend for ``torch.compile(model, backend=...)``.

@@ -40,6 +40,12 @@ class BudgetError(ValueError, ShortenTraceback):
     Attributes:
         budget: the budget asked for, in bytes.
         least_peak: the least predicted peak fxremat found, in bytes.
+
+    Example:
+        >>> try:
+        ...     fxremat.explain(model, x, budget="1MiB")
+        ... except fxremat.BudgetError as e:
+        ...     plan = fxremat.explain(model, x, budget=e.least_peak)   # the tightest plan that fits
     """
 
     def __init__(self, budget: int, least_peak: int, where: str = "") -> None:

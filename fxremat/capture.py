@@ -217,6 +217,8 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
     options.pop("budget", None)
     base = explain(model_or_fn, *args, **options)
     problem = base.problem
+    if problem is None:
+        raise RuntimeError(f"{base.graph}: the plan carries no RematProblem to re-solve; this is a bug in fxremat, please report it")
     solver = options.get("solver", "auto")
     solve_options = SolveOptions(time_limit=options.get("time_limit", 10.0))
     fastest = solve(problem, None, solver, solve_options)
@@ -228,7 +230,7 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
         d = solve(problem, budget, solver, solve_options)
         if d.feasible:
             found.append(ParetoPoint(budget, d.peak_bytes, d.recompute_seconds, d.solver, d))
-    front = []
+    front: list[ParetoPoint] = []
     for p in sorted(found, key=lambda p: (p.predicted_peak, p.recompute_seconds)):
         if not front or p.recompute_seconds < front[-1].recompute_seconds:
             front.append(p)

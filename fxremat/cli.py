@@ -81,6 +81,8 @@ def load_factory(target: str):
         # Sibling imports of the file work as they do under `python file.py`.
         sys.path.insert(0, str(path.parent))
         spec = importlib.util.spec_from_file_location(f"_fxremat_factory_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise _UsageError(f"{module_name!r} is not an importable Python file (from {target!r}); name a .py file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)

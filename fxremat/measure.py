@@ -224,7 +224,7 @@ def _measure_memory(
     start_ns, end_ns, allocations = _step_allocations(prof)
     if requested is None:
         allocated_on_cuda = cuda is not None and any(d == cuda for d, _, _ in allocations)
-        measured = cuda if allocated_on_cuda else torch.device("cpu")
+        measured = cuda if cuda is not None and allocated_on_cuda else torch.device("cpu")
     else:
         measured = requested
 
@@ -249,7 +249,11 @@ def _step_allocations(
     Events from every thread are included (the autograd engine may run the
     backward on its own threads), in time order; ties keep the event-tree order.
     """
-    roots = prof.profiler.kineto_results.experimental_event_tree()
+    # Both are set once the profiler's context has exited; None means it never ran.
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise RuntimeError("measure: the profiler returned no results; is another profiler already running?")
+    roots = results.experimental_event_tree()
     window = None
     allocations = []
     for event in _walk(roots):

@@ -8,15 +8,30 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .budget import format_bytes
+
+if TYPE_CHECKING:
+    from .solvers.types import RematProblem
 
 __all__ = ["ValueRecord", "NodeRecord", "Plan", "plans", "clear_plans"]
 
 
 @dataclass(frozen=True)
 class ValueRecord:
-    """One forward value the plan keeps or recomputes."""
+    """One forward value the plan keeps or recomputes.
+
+    Attributes:
+        name: the fx node name of the value in the joint graph.
+        op: short op name (``"aten.mm"``, ``"getitem"``, ...).
+        module: path of the module it came from (``""`` when unknown).
+        nbytes: bytes of storage this value accounts for: each storage counts
+            once per list (on its owner, or on its first view when the owner
+            is not listed), so the column sums to the list's total.
+        flops: floating-point operations to compute it once.
+        seconds: estimated (roofline) time to compute it once.
+    """
 
     name: str
     op: str
@@ -30,8 +45,14 @@ class ValueRecord:
 class NodeRecord:
     """One node of the joint graph, for graph dumps.
 
-    ``role`` is "kept" or "recomputed" for forward values the backward needs,
-    else "forward" or "backward".
+    Attributes:
+        name: the fx node name.
+        op: short op name (``"aten.mm"``, ``"getitem"``, ...).
+        module: path of the module it came from (``""`` when unknown).
+        role: ``"kept"`` or ``"recomputed"`` for forward values the backward
+            needs, else ``"forward"`` or ``"backward"``.
+        nbytes: bytes of the storage the node allocates (0 for views and aliases).
+        inputs: names of the nodes it reads, in argument order (graph inputs omitted).
     """
 
     name: str
@@ -59,11 +80,20 @@ class Plan:
         fastest_peak: predicted peak of the fastest plan (nothing recomputed when possible).
         grad_bytes / tangent_bytes / output_bytes: parts of the peak that no plan changes.
         feasible: False when the budget could not be met and on_infeasible="min".
+        gap: the solver's relative optimality gap: 0.0 when the plan is proven
+            the fastest that fits, None when no bound is known.
         note: anything a user should know.
         pass_seconds: time of each pass, by name.
         num_nodes: nodes of the joint graph that were planned.
         timeline: predicted live bytes after each node of the forward then the backward.
         forward_code / backward_code: Python source of the final programs.
+
+    Example:
+        >>> plan = fxremat.explain(model, x, budget="2GiB")   # or fxremat.plans()[-1]
+        >>> plan.predicted_peak <= plan.budget
+        True
+        >>> for module, kept, recomputed, flops, seconds in plan.by_module():
+        ...     print(module, fxremat.format_bytes(kept), fxremat.format_bytes(recomputed))
     """
 
     graph: str
@@ -97,11 +127,19 @@ class Plan:
     """(name, module, bytes) of the largest tensor the step allocates (logits, for a language model)."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
-    problem: object = field(default=None, repr=False, compare=False)
+    problem: RematProblem | None = field(default=None, repr=False, compare=False)
     """The solver's RematProblem for this graph (for ``fxremat.pareto``); not saved."""
 
     def summary(self) -> str:
-        """One line: budget, predicted peak, kept and recomputed totals, solver."""
+        """One line: budget, predicted peak, kept and recomputed totals, solver.
+
+        Returns:
+            The line that starts ``str(plan)``.
+
+        Example:
+            >>> print(plan.summary())  # doctest: +SKIP
+            graph 0: budget 2.00 GiB, predicted peak 1.93 GiB, saved 1.20 GiB in 212 values, ...
+        """
         budget = "none (fastest plan)" if self.budget is None else format_bytes(self.budget)
         return (
             f"{self.graph}: budget {budget}, predicted peak {format_bytes(self.predicted_peak)}, "
@@ -111,7 +149,16 @@ class Plan:
         )
 
     def by_module(self) -> list[tuple[str, int, int, int, float]]:
-        """Rows (module, kept bytes, recomputed bytes, recompute FLOPs, recompute seconds)."""
+        """Kept and recomputed totals per module, the table of ``str(plan)``.
+
+        Returns:
+            Rows ``(module, kept bytes, recomputed bytes, recompute FLOPs,
+            recompute seconds)``, in order of each module's first kept (then
+            recomputed) value; ``"<top>"`` for values outside any submodule.
+
+        Example:
+            >>> recompute_heavy = max(plan.by_module(), key=lambda row: row[4])[0]
+        """
         rows: dict[str, list] = {}
         for rec in self.kept:
             rows.setdefault(rec.module or "<top>", [0, 0, 0, 0.0])[0] += rec.nbytes
@@ -149,7 +196,16 @@ class Plan:
 
 
     def to_json(self) -> dict:
-        """The plan as plain JSON data (schema ``fxremat.plan/1``, see docs/PLAN_SCHEMA.md)."""
+        """The plan as plain JSON data (schema ``fxremat.plan/1``, see docs/PLAN_SCHEMA.md).
+
+        Returns:
+            A dict of lists, strings and numbers; the programs' source, the node
+            list and the solver's problem are left out (``save`` writes the
+            first two to files).
+
+        Example:
+            >>> json.dumps(plan.to_json())  # what plan.json holds
+        """
         data = dataclasses.asdict(self)
         data.pop("forward_code")
         data.pop("backward_code")
@@ -205,6 +261,10 @@ def record(plan: Plan) -> None:
 def plans() -> list[Plan]:
     """Every plan the backend made in this process, oldest first.
 
+    Returns:
+        A new list (later compiles do not change it), one Plan per graph
+        planned; a recompile (new shapes, a graph break) adds another.
+
     Example:
         >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "1GiB"})
         >>> compiled(x).sum().backward()
@@ -215,7 +275,16 @@ def plans() -> list[Plan]:
 
 
 def clear_plans() -> None:
-    """Forget the recorded plans."""
+    """Forget the recorded plans; graph names start again at ``"graph 0"``.
+
+    Returns:
+        None.
+
+    Example:
+        >>> fxremat.clear_plans()
+        >>> fxremat.plans()
+        []
+    """
     with _LOCK:
         _PLANS.clear()
 

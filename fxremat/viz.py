@@ -428,7 +428,7 @@ def pareto_png(points: Iterable, path: str | os.PathLike) -> Path:
     unit, scale = _byte_unit(max((p.predicted_peak for p in pts), default=0))
     slowest = max((p.recompute_seconds for p in pts), default=0.0)
     t_unit, t_scale = ("s", 1.0) if slowest >= 1 else ("ms", 1e-3)
-    front = []
+    front: list = []
     for p in pts:
         if not front or p.recompute_seconds < front[-1].recompute_seconds:
             front.append(p)

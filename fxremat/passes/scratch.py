@@ -89,7 +89,7 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
         if node.op != "call_function" or node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload):
             continue
         val = node.meta.get("val")
-        tensors = [a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        tensors = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
         devices = {t.device.type for t in tensors}
         if not tensors or "meta" in devices or len(devices) > 1:
             continue
@@ -120,7 +120,10 @@ def _prepare(node: fx.Node):
         real[a] = _materialize(v) if isinstance(v, torch.Tensor) else v
     args = fx.node.map_arg(node.args, lambda a: real[a])
     kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
-    return lambda: node.target(*args, **kwargs)
+    op = node.target
+    # Only OpOverload call_function nodes are measured (see ``measure_scratch``).
+    assert callable(op), f"{node.format_node()}: target is not callable"
+    return lambda: op(*args, **kwargs)
 
 
 def _scratch(node: fx.Node, peak: int, out) -> int:

@@ -437,6 +437,8 @@ def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions =
                 gap = 0.0 if res.status == _OPTIMAL else (None if res.mip_gap is None else float(res.mip_gap))
             limit_hit = res.status != _OPTIMAL
             break
+        # A plan with no budget always fits, so the loop only gets here with one.
+        assert budget is not None and memory_limit is not None
         if repeated:
             # The same plan came back: its cut did not hold (numerical trouble).
             exact = False

@@ -113,6 +113,10 @@ def get_solver(name: str) -> Solver:
 
     Raises:
         ValueError: unknown name; the message lists the valid ones.
+
+    Example:
+        >>> get_solver("mincut").__name__
+        'solve_mincut'
     """
     try:
         return SOLVERS[name]
@@ -136,6 +140,11 @@ def solve(problem: RematProblem, budget: int | None, solver: str = "auto", optio
     Raises:
         ValueError: unknown solver, or a ``must_recompute`` tag that cannot be
             honoured.
+
+    Example:
+        >>> plan = fxremat.explain(model, x)                  # Plan.problem is the graph as data
+        >>> d = solve(plan.problem, 2 << 30, "per_layer")
+        >>> d.feasible, d.peak_bytes, len(d.recomputed)
     """
     fn = get_solver(solver)
     d = fn(problem, budget, options)
