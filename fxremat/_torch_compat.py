@@ -28,6 +28,7 @@ __all__ = [
     "BoxedCodeGen",
     "ShortenTraceback",
     "disable_current_modes",
+    "inductor_lowering",
 ]
 
 SUPPORTED_TORCH = (">=2.13", "<2.15")
@@ -60,6 +61,9 @@ from torch._dynamo.exc import ShortenTraceback  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
 # Fake tensors for planning without allocating (explain on meta / large models).
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+# Which aten ops Inductor lowers into generated kernels, and which run as extern or
+# fallback kernels that need their inputs materialized (the fusion model of passes/fusion.py).
+from torch._inductor import lowering as inductor_lowering  # noqa: E402
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
 

@@ -200,7 +200,11 @@ def problems(draw, max_forward: int = 10) -> RematProblem:
     outputs = sorted({n - 1} | draw(st.sets(st.integers(0, n - 1), max_size=1)))
     tag = st.sets(st.integers(0, n - 1), max_size=2)
     rare = st.one_of(st.just(set()), st.just(set()), tag)
-    return build(fw, outputs, never_recompute=draw(rare), must_save=draw(rare), must_recompute=draw(st.one_of(st.just(set()), st.just(set()), st.just(set()), tag)))
+    p = build(fw, outputs, never_recompute=draw(rare), must_save=draw(rare), must_recompute=draw(st.one_of(st.just(set()), st.just(set()), st.just(set()), tag)))
+    # Inductor-style fusion: some values (forward or backward) allocate nothing unless kept or returned.
+    owners = [v for v in range(p.size) if p.storage[v] == v and p.nbytes[v] and v not in p.tangents]
+    fused = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(owners), max_size=len(owners)))) if owners else set()
+    return replace(p, fused=tuple(sorted(fused)))
 
 
 def valid_rules(p: RematProblem) -> bool:

@@ -25,6 +25,7 @@ from ..solvers.schedule import bw_reads, close, liveness, programs
 from ..solvers.types import BACKWARD, FORWARD, Decision, SolveOptions
 from .apply import apply_decision
 from .cost import NodeCost, annotate, get_hardware
+from .fusion import fused_nodes
 from .problem import ProblemGraph, build_problem, is_tangent
 from .scratch import measure_scratch
 from .simulate import simulate
@@ -208,7 +209,9 @@ def partition(
     scratch_by_name = {n.name: b for n, b in scratch.items() if b}
     timings["scratch"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch)
+    fusion = options.inner == "inductor"
+    fused = fused_nodes(joint.graph, costs) if fusion else set()
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
@@ -228,10 +231,11 @@ def partition(
             joint, _saved_nodes(pg, decision), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion)
         if options.budget is None or sim.peak <= options.budget:
             break
         # The real programs peak higher than the abstract schedule said: aim lower.
+        assert target is not None
         target = target - (sim.peak - options.budget) - 1
         if target <= 0:
             break
@@ -239,6 +243,7 @@ def partition(
     assert decision is not None
     fits = decision.feasible and sim is not None and (options.budget is None or sim.peak <= options.budget)
     if not fits:
+        assert options.budget is not None  # without a budget the first plan always fits
         # The least-memory search gets at least LEAST_SEARCH_SECONDS: a BudgetError must name a
         # least peak that is really the least fxremat can reach, not a time-starved guess.
         least = solve(problem, 1, options.solver, SolveOptions(time_limit=max(options.time_limit, LEAST_SEARCH_SECONDS)))
@@ -246,7 +251,7 @@ def partition(
             joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion)
         decision = least
         fits = sim.peak <= options.budget  # the least-memory plan may still fit a budget at its edge
         if not fits:
@@ -259,6 +264,7 @@ def partition(
             warnings.warn(f"fxremat {graph_name}: {note}", stacklevel=2)
     if decision.note:
         note = f"{note}; {decision.note}" if note else decision.note
+    assert sim is not None and fw is not None and bw is not None
     timings["solve"] = solve_seconds
     timings["total"] = time.perf_counter() - t0
     recomputed = _records(pg, costs, decision.recomputed)

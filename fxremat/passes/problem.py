@@ -112,6 +112,7 @@ def build_problem(
     costs: dict[fx.Node, NodeCost],
     num_fwd_outputs: int,
     scratch: dict[fx.Node, int] | None = None,
+    fused: set[fx.Node] | None = None,
 ) -> ProblemGraph:
     """Build the plain problem for a joint graph.
 
@@ -121,6 +122,7 @@ def build_problem(
         costs: the cost pass's table for ``joint``.
         num_fwd_outputs: how many of the joint graph's outputs belong to the forward.
         scratch: the scratch pass's table (bytes an op allocates inside itself).
+        fused: nodes the inner compiler computes inside their consumers (``passes/fusion.py``).
 
     Returns:
         The problem and the fx node behind each id.
@@ -182,5 +184,6 @@ def build_problem(
         must_recompute=tuple(must_recompute),
         layer=tuple(layer),
         scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
+        fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
     )
     return ProblemGraph(problem, tuple(nodes))

@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..solvers.schedule import Timeline, liveness
 from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import Hardware, annotate
+from .fusion import fused_nodes
 from .problem import is_tangent
 
 __all__ = ["Simulation", "simulate"]
@@ -50,6 +51,8 @@ def simulate(
     num_fwd_outputs: int,
     hardware: Hardware,
     scratch_by_name: dict[str, int] | None = None,
+    *,
+    fusion: bool = False,
 ) -> Simulation:
     """Replay ``fw`` then ``bw`` and predict the step's live memory.
 
@@ -60,6 +63,8 @@ def simulate(
         num_fwd_outputs: how many forward outputs the user sees.
         hardware: cost profile (only bytes matter here).
         scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
+        fusion: model Inductor's fusion (``passes/fusion.py``): pointwise values
+            inlined into their consumers allocate nothing.
 
     Returns:
         The predicted peak and timeline.
@@ -76,7 +81,11 @@ def simulate(
         if not is_tangent(ph) and ph.name in by_name:
             ids[ph] = by_name[ph.name]
 
-    names, phase, inputs, nbytes, storage = [], [], [], [], []
+    names: list[str] = []
+    phase: list[int] = []
+    inputs: list[tuple[int, ...]] = []
+    nbytes: list[int] = []
+    storage: list[int] = []
     for nodes, costs, ph_value in ((fw_nodes, fw_costs, FORWARD), (bw_nodes, bw_costs, BACKWARD)):
         for n in nodes:
             i = len(names)
@@ -96,12 +105,16 @@ def simulate(
     grads = tuple(sorted({ids[o] for o in bw_out if isinstance(o, fx.Node) and o in ids}))
     tangents = tuple(ids[n] for n in bw_nodes if is_tangent(n))
     n = len(names)
+    fused: set[fx.Node] = set()
+    if fusion:
+        fused = fused_nodes(fw.graph, fw_costs) | fused_nodes(bw.graph, bw_costs)
     scratch_by_name = scratch_by_name or {}
     problem = RematProblem(
         names=tuple(names), phase=tuple(phase), inputs=tuple(inputs), nbytes=tuple(nbytes),
         storage=tuple(storage), seconds=(0.0,) * n, flops=(0,) * n,
         fw_outputs=user_outputs, bw_outputs=grads, tangents=tangents,
         scratch=tuple(scratch_by_name.get(name, 0) for name in names),
+        fused=tuple(sorted(ids[f] for f in fused if f in ids and storage[ids[f]] == ids[f])),
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 

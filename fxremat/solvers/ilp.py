@@ -170,8 +170,10 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
             if u in position:
                 last[storage[u]] = max(last.get(storage[u], -1), i)
     fixed = [0] * (len(backward) + 1)
+    # Fused backward values never exist unless returned: counting them would break the relaxation.
+    fused = set(problem.fused) - pinned
     for i, v in enumerate(backward):
-        if storage[v] == v and problem.nbytes[v]:
+        if storage[v] == v and problem.nbytes[v] and v not in fused:
             fixed[i] += problem.nbytes[v]
             fixed[len(backward) if v in pinned else last[v] + 1] -= problem.nbytes[v]
     for i in range(1, len(backward) + 1):
@@ -269,11 +271,14 @@ class _Program:
                 for ew in via:
                     self.row([(e, 1.0), (self.r(v), -1.0), (ew, -1.0)], -1.0, inf)
         alive: dict[int, int] = {}
+        fused = set(facts.problem.fused)
         for v in rule.relevant:
             if v not in facts.storage_of:
                 continue
             col = facts.storage_of[v]
-            held = [(self.s(v), 1.0)] + ([(early[v], 1.0)] if v in early else [])
+            # A recomputed fused value is computed inside its readers' kernels: only keeping it costs memory.
+            recomputed_costs = v in early and facts.problem.storage[v] not in fused
+            held = [(self.s(v), 1.0)] + ([(early[v], 1.0)] if recomputed_costs else [])
             used_late = bool(facts.reads.get(v)) and facts.reads[v][-1] >= p
             late_readers = [w for w in facts.readers[v] if w not in rule.no_recompute]
             if not used_late and not late_readers:
@@ -335,14 +340,16 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
             prog.row([(storage_var[facts.storage_of[v]], 1.0), (prog.s(v), -1.0)], 0.0, float("inf"))
     if budget is not None:
         prog.memory_row = prog.row([(c, b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)], -float("inf"), float("inf"))
-        # Cheap rows at every backward node that reads a forward value: owners only.
+        # Cheap rows at every backward node that reads a forward value: owners only
+        # (a recomputed fused value lives inside its readers' kernels: only keeping it costs).
+        fused = set(problem.fused)
         for p in sorted({i for at in facts.reads.values() for i in at}):
             terms = []
             for v, at in facts.reads.items():
                 if v in facts.storage_of and problem.storage[v] == v and at[-1] >= p:
                     b = facts.storage_bytes[facts.storage_of[v]] / prog.bytes_scale
                     terms.append((prog.s(v), b))
-                    if at[0] <= p:
+                    if at[0] <= p and v not in fused:
                         terms.append((prog.r(v), b))
             prog.row(terms, -float("inf"), (budget - facts.fixed[p]) / prog.bytes_scale)
     if cutoff_seconds is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .types import BACKWARD, FORWARD, Decision, RematProblem
 
-__all__ = ["bw_reads", "close", "programs", "liveness", "Timeline", "evaluate", "decision"]
+__all__ = ["bw_reads", "close", "programs", "virtual", "reads", "liveness", "Timeline", "evaluate", "decision"]
 
 
 def bw_reads(problem: RematProblem) -> tuple[int, ...]:
@@ -135,6 +135,33 @@ class Timeline:
     kept_bytes: int
 
 
+def virtual(problem: RematProblem, kept) -> frozenset[int]:
+    """Fused values that never exist in memory under a plan: neither kept nor returned."""
+    if not problem.fused:
+        return frozenset()
+    storage = problem.storage
+    held = {storage[v] for v in kept} | {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
+    return frozenset(v for v in problem.fused if v not in held)
+
+
+def reads(problem: RematProblem, virtual_ids: frozenset[int]) -> tuple[tuple[int, ...], ...]:
+    """The values each node reads from memory: a virtual value's own reads stand in for it
+    (its consumers' kernels compute it from them), transitively."""
+    if not virtual_ids:
+        return problem.inputs
+    storage = problem.storage
+    out: list[tuple[int, ...]] = []
+    for v in range(problem.size):
+        got: set[int] = set()
+        for u in problem.inputs[v]:
+            if storage[u] in virtual_ids:
+                got.update(out[u])
+            else:
+                got.add(u)
+        out.append(tuple(sorted(got)))
+    return tuple(out)
+
+
 def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     """Replay the two programs and return live bytes over time.
 
@@ -142,11 +169,14 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     it to the last use of any value aliasing it. Kept values live from the
     forward to their last backward use; user outputs and gradients returned by
     the backward live to the end of the step; tangents are allocated when the
-    backward starts.
+    backward starts. Fused values that are neither kept nor returned allocate
+    nothing; what they read stays alive until their consumers run.
     """
     storage = problem.storage
     scratch = problem.scratch
     kept_set = set(kept)
+    gone = virtual(problem, kept_set)
+    inputs = reads(problem, gone)
     pinned = {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
     steps: list[tuple[int, int, int]] = []
     live = 0
@@ -158,7 +188,7 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         last: dict[int, int] = {}
         for i, v in enumerate(program):
             last[storage[v]] = max(last.get(storage[v], -1), i)
-            for u in problem.inputs[v]:
+            for u in inputs[v]:
                 if u in pos or u in kept_set:
                     last[storage[u]] = max(last.get(storage[u], -1), i)
         return last
@@ -172,7 +202,7 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         if s not in held:
             frees.setdefault(i, []).append(s)
     for i, v in enumerate(forward):
-        if problem.nbytes[v] and storage[v] == v:
+        if problem.nbytes[v] and storage[v] == v and v not in gone:
             alive[v] = problem.nbytes[v]
             live += problem.nbytes[v]
         during = live + (scratch[v] if scratch else 0)
@@ -193,7 +223,7 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         if s not in pinned and s not in bw_last:
             live -= alive.pop(s)
     for i, v in enumerate(backward):
-        if problem.nbytes[v] and storage[v] == v:
+        if problem.nbytes[v] and storage[v] == v and v not in gone:
             alive[v] = problem.nbytes[v]
             live += problem.nbytes[v]
         during = live + (scratch[v] if scratch else 0)

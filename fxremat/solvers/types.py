@@ -46,6 +46,10 @@ class RematProblem:
             node belongs to, or -1; used by the per-layer and sqrt(n) policies.
         scratch: bytes a node allocates inside itself beyond its output while it
             runs (kernel workspace), or empty for none.
+        fused: ids the compiler computes inside their consumers' kernels
+            (Inductor's inlined pointwise values). A fused value allocates
+            nothing and its inputs stay alive until its consumers run, unless
+            it is kept or returned: then it is materialized.
     """
 
     names: tuple[str, ...]
@@ -63,6 +67,7 @@ class RematProblem:
     must_recompute: tuple[int, ...] = ()
     layer: tuple[int, ...] = ()
     scratch: tuple[int, ...] = ()
+    fused: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -76,6 +81,9 @@ class RematProblem:
             for u in ins:
                 if not 0 <= u < v:
                     raise ValueError(f"node {v} ({self.names[v]}) reads {u}: inputs must precede their users")
+        for v in self.fused:
+            if not 0 <= v < n or self.storage[v] != v:
+                raise ValueError(f"fused id {v} must be a node that owns its storage")
         for v, s in enumerate(self.storage):
             if not 0 <= s <= v:
                 raise ValueError(f"node {v} ({self.names[v]}) lives in storage {s}: owners must precede aliases")
