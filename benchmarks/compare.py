@@ -92,13 +92,27 @@ class Workload:
 
 
 def _hf_workload(model, ids, description: str) -> Workload:
+    import torch
+
+    class LossOf(torch.nn.Module):
+        """The step's loss as the module's only output. Compiling the HF model itself would
+        return the logits too: AOTAutograd then hands the backward a zero gradient for
+        them (a logits-sized tangent the eager step never allocates)."""
+
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids, labels=ids).loss
+
     def loss(m):
-        return m(input_ids=ids, labels=ids).loss
+        return m(ids)
 
     def ckpt():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    return Workload(model, loss, ckpt, description)
+    return Workload(LossOf(model), loss, ckpt, description)
 
 
 def _size(quick: bool, full: dict, small: dict) -> dict:
@@ -115,6 +129,9 @@ def build_gpt2(quick: bool) -> Workload:
                      n_positions=s["tokens"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      use_cache=False, attn_implementation="sdpa")
     model = GPT2LMHeadModel(cfg)
+    # GPT2LMHeadModel sets no loss_type: transformers then warns inside forward, which breaks
+    # the graph in two (each planned under the whole budget). Naming it keeps one graph.
+    model.loss_type = "ForCausalLM"
     ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
     return _hf_workload(model, ids, "HF GPT2LMHeadModel, {layers} layers, hidden {hidden}, {tokens} tokens, "
                         "batch {batch}, vocabulary {vocab}, SDPA, dropout 0".format(**s))
@@ -280,7 +297,11 @@ def run_row(model_name: str, strategy: str, budget: Optional[int], on_infeasible
             torch._functorch.config.activation_memory_budget = float(strategy.rsplit("_", 1)[1])
         fn = torch.compile(module)
     elif strategy == "fxremat":
-        options = {} if budget is None else {"budget": budget, "on_infeasible": on_infeasible}
+        # Every workload keeps only the loss (HF: ``model(...).loss`` drops the logits),
+        # so the forward's other outputs are gone before the backward runs.
+        options = {"release_outputs": True}
+        if budget is not None:
+            options.update(budget=budget, on_infeasible=on_infeasible)
         fn = torch.compile(module, backend="fxremat", options=options)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")

@@ -204,7 +204,7 @@ def problems(draw, max_forward: int = 10) -> RematProblem:
     # Inductor-style fusion: some values (forward or backward) allocate nothing unless kept or returned.
     owners = [v for v in range(p.size) if p.storage[v] == v and p.nbytes[v] and v not in p.tangents]
     fused = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(owners), max_size=len(owners)))) if owners else set()
-    return replace(p, fused=tuple(sorted(fused)))
+    return replace(p, fused=tuple(sorted(fused)), outputs_released=draw(st.booleans()))
 
 
 def valid_rules(p: RematProblem) -> bool:

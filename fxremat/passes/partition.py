@@ -211,7 +211,7 @@ def partition(
     t1 = time.perf_counter()
     fusion = options.inner == "inductor"
     fused = fused_nodes(joint.graph, costs) if fusion else set()
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused)
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
@@ -231,7 +231,7 @@ def partition(
             joint, _saved_nodes(pg, decision), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion, outputs_released=options.release_outputs)
         if options.budget is None or sim.peak <= options.budget:
             break
         # The real programs peak higher than the abstract schedule said: aim lower.
@@ -251,7 +251,7 @@ def partition(
             joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
         )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion, outputs_released=options.release_outputs)
         decision = least
         fits = sim.peak <= options.budget  # the least-memory plan may still fit a budget at its edge
         if not fits:

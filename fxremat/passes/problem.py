@@ -113,6 +113,7 @@ def build_problem(
     num_fwd_outputs: int,
     scratch: dict[fx.Node, int] | None = None,
     fused: set[fx.Node] | None = None,
+    outputs_released: bool = False,
 ) -> ProblemGraph:
     """Build the plain problem for a joint graph.
 
@@ -123,6 +124,7 @@ def build_problem(
         num_fwd_outputs: how many of the joint graph's outputs belong to the forward.
         scratch: the scratch pass's table (bytes an op allocates inside itself).
         fused: nodes the inner compiler computes inside their consumers (``passes/fusion.py``).
+        outputs_released: the caller drops the forward's outputs before the backward.
 
     Returns:
         The problem and the fx node behind each id.
@@ -185,5 +187,6 @@ def build_problem(
         layer=tuple(layer),
         scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
         fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
+        outputs_released=outputs_released,
     )
     return ProblemGraph(problem, tuple(nodes))

@@ -53,6 +53,7 @@ def simulate(
     scratch_by_name: dict[str, int] | None = None,
     *,
     fusion: bool = False,
+    outputs_released: bool = False,
 ) -> Simulation:
     """Replay ``fw`` then ``bw`` and predict the step's live memory.
 
@@ -65,6 +66,7 @@ def simulate(
         scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
         fusion: model Inductor's fusion (``passes/fusion.py``): pointwise values
             inlined into their consumers allocate nothing.
+        outputs_released: the caller drops the user outputs before the backward.
 
     Returns:
         The predicted peak and timeline.
@@ -115,6 +117,7 @@ def simulate(
         fw_outputs=user_outputs, bw_outputs=grads, tangents=tangents,
         scratch=tuple(scratch_by_name.get(name, 0) for name in names),
         fused=tuple(sorted(ids[f] for f in fused if f in ids and storage[ids[f]] == ids[f])),
+        outputs_released=outputs_released,
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 

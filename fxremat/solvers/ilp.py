@@ -164,14 +164,16 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
     position = {v: i for i, v in enumerate(backward)}
     storage = problem.storage
     pinned = {storage[v] for v in problem.bw_outputs}
+    # Fused backward values never exist unless returned, whatever the plan: their
+    # readers read what they read (exact); counting them would break the relaxation.
+    fused = {v for v in problem.fused if problem.phase[v] == BACKWARD} - pinned
+    inputs = schedule.reads(problem, frozenset(fused))
     last: dict[int, int] = {}
     for i, v in enumerate(backward):
-        for u in (v,) + problem.inputs[v]:
+        for u in (v,) + inputs[v]:
             if u in position:
                 last[storage[u]] = max(last.get(storage[u], -1), i)
     fixed = [0] * (len(backward) + 1)
-    # Fused backward values never exist unless returned: counting them would break the relaxation.
-    fused = set(problem.fused) - pinned
     for i, v in enumerate(backward):
         if storage[v] == v and problem.nbytes[v] and v not in fused:
             fixed[i] += problem.nbytes[v]
@@ -179,10 +181,10 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
     for i in range(1, len(backward) + 1):
         fixed[i] += fixed[i - 1]
     for i, v in enumerate(backward):
-        fixed[i] += output_bytes + (problem.scratch[v] if problem.scratch else 0)
+        fixed[i] += (0 if problem.outputs_released else output_bytes) + (problem.scratch[v] if problem.scratch else 0)
     reads: dict[int, list[int]] = {}
     for i, b in enumerate(backward):
-        for u in problem.inputs[b]:
+        for u in inputs[b]:
             if u in column and (not reads.get(u) or reads[u][-1] != i):
                 reads.setdefault(u, []).append(i)
     readers: dict[int, list[int]] = {v: [] for v in rule.relevant}

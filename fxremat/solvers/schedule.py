@@ -167,8 +167,9 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
 
     Counted: every storage a program allocates, from the node that allocates
     it to the last use of any value aliasing it. Kept values live from the
-    forward to their last backward use; user outputs and gradients returned by
-    the backward live to the end of the step; tangents are allocated when the
+    forward to their last backward use; user outputs (to the forward's end
+    when ``outputs_released``) and gradients returned by the backward live to
+    the end of the step; tangents are allocated when the
     backward starts. Fused values that are neither kept nor returned allocate
     nothing; what they read stays alive until their consumers run.
     """
@@ -215,6 +216,8 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     kept_bytes = sum(alive.get(s, 0) for s in {storage[v] for v in kept_set})
     # Backward: kept storages are freed after their last backward use.
     bw_last = last_uses(backward)
+    if problem.outputs_released:
+        pinned = {storage[v] for v in problem.bw_outputs}
     frees = {}
     for s, i in bw_last.items():
         if s not in pinned:

@@ -50,6 +50,9 @@ class RematProblem:
             (Inductor's inlined pointwise values). A fused value allocates
             nothing and its inputs stay alive until its consumers run, unless
             it is kept or returned: then it is materialized.
+        outputs_released: the caller drops the forward's outputs before the
+            backward runs (``loss = model(x).loss`` drops the logits), so they
+            live to the forward's end, not to the step's end.
     """
 
     names: tuple[str, ...]
@@ -68,6 +71,7 @@ class RematProblem:
     layer: tuple[int, ...] = ()
     scratch: tuple[int, ...] = ()
     fused: tuple[int, ...] = ()
+    outputs_released: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)
