@@ -52,6 +52,12 @@ class Options:
     measure_scratch: bool = True
     """Measure each distinct op's kernel workspace once on the graph's device (CPU or
     CUDA), so predictions include it; off, or on meta/fake graphs, workspace counts 0."""
+    release_outputs: bool = False
+    """The caller drops the forward's outputs before the backward (``loss = model(x).loss``
+    drops the logits; so does ``transformers.Trainer``): plan them as freed when the
+    backward starts. Off (default), outputs count as alive to the step's end; turn it on
+    only when nothing holds them through backward, or the step can exceed the budget by
+    their size."""
 
     @classmethod
     def from_mapping(cls, mapping: dict | None = None) -> "Options":
@@ -94,8 +100,11 @@ class Options:
         measure_scratch = mapping.get("measure_scratch", True)
         if not isinstance(measure_scratch, bool):
             raise TypeError(f"measure_scratch={measure_scratch!r} must be True or False")
+        release_outputs = mapping.get("release_outputs", False)
+        if not isinstance(release_outputs, bool):
+            raise TypeError(f"release_outputs={release_outputs!r} must be True or False")
         return cls(
-            measure_scratch=measure_scratch,
+            measure_scratch=measure_scratch, release_outputs=release_outputs,
             budget=budget, inner=inner, solver=solver, hardware=hardware, on_infeasible=on_infeasible,
             on_error=on_error, time_limit=float(time_limit), dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         )
