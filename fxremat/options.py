@@ -52,6 +52,10 @@ class Options:
     measure_scratch: bool = True
     """Measure each distinct op's kernel workspace once on the graph's device (CPU or
     CUDA), so predictions include it; off, or on meta/fake graphs, workspace counts 0."""
+    calibrate: bool = False
+    """Time each distinct op of the joint graph once on the graph's device (a few reps,
+    median) and use those times instead of the ``hardware`` roofline; ops that cannot
+    run standalone (random, in-place, effectful) keep the roofline estimate."""
     release_outputs: bool = False
     """The caller drops the forward's outputs before the backward (``loss = model(x).loss``
     drops the logits; so does ``transformers.Trainer``): plan them as freed when the
@@ -100,11 +104,14 @@ class Options:
         measure_scratch = mapping.get("measure_scratch", True)
         if not isinstance(measure_scratch, bool):
             raise TypeError(f"measure_scratch={measure_scratch!r} must be True or False")
+        calibrate = mapping.get("calibrate", False)
+        if not isinstance(calibrate, bool):
+            raise TypeError(f"calibrate={calibrate!r} must be True or False")
         release_outputs = mapping.get("release_outputs", False)
         if not isinstance(release_outputs, bool):
             raise TypeError(f"release_outputs={release_outputs!r} must be True or False")
         return cls(
-            measure_scratch=measure_scratch, release_outputs=release_outputs,
+            measure_scratch=measure_scratch, calibrate=calibrate, release_outputs=release_outputs,
             budget=budget, inner=inner, solver=solver, hardware=hardware, on_infeasible=on_infeasible,
             on_error=on_error, time_limit=float(time_limit), dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         )

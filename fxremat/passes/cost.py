@@ -4,15 +4,20 @@ Bytes are counted per storage: a view or alias owns nothing and points at the
 node whose storage it lives in. FLOPs come from ``torch.utils.flop_counter``'s
 formulas where it has one, else one per element read (pointwise and reduction
 ops). Time is a roofline ``max(flops / peak_flops, bytes_moved / bandwidth)``
-plus a launch overhead for a named hardware profile.
+plus a launch overhead for a named hardware profile (and, on CPU, the page
+faults of large fresh outputs); ``passes/calibrate.py`` can replace it by
+times measured on the device. Under dynamic shapes bytes and FLOPs are also
+kept as sympy expressions; the solver uses them evaluated at the size hints.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -20,23 +25,37 @@ from torch.utils.flop_counter import flop_registry
 
 from .._torch_compat import is_sym_node
 
-__all__ = ["Hardware", "HARDWARE", "NodeCost", "annotate", "get_hardware", "module_path"]
+__all__ = ["Hardware", "HARDWARE", "FRESH_OUTPUT_BYTES", "NodeCost", "annotate", "get_hardware", "module_path"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Peak rates of a device for the roofline time estimate."""
+    """Rates of a device for the roofline time estimate."""
 
     name: str
     peak_flops: float
     """FLOP/s for the dtype the model trains in (dense matmul)."""
     bandwidth: float
-    """Bytes/s of main memory."""
+    """Bytes/s that ops read and write at."""
     launch_seconds: float
-    """Fixed cost of running one op."""
+    """Fixed cost of running one op (kernel launch, or dispatch on CPU)."""
+    attention_flops: float | None = None
+    """FLOP/s of fused attention kernels, counted as ``torch.utils.flop_counter``
+    counts them (the whole s x s score matrix, causal or not); None: ``peak_flops``."""
+    view_seconds: float = 0.0
+    """Cost of a view op (no data moved): its dispatch on CPU; 0 on GPUs, where the
+    host-side dispatch overlaps the kernels already queued."""
+    fresh_bandwidth: float = math.inf
+    """Bytes/s at which an op first writes an output of at least ``FRESH_OUTPUT_BYTES``
+    (page faults on freshly mapped memory); inf where the allocator caches memory (GPUs)."""
 
+
+# glibc's malloc serves every block of at least 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX
+# on 64-bit, mallopt(3)) with a fresh mmap, and PyTorch's CPU allocator does not
+# cache: such an output is page-faulted in on every step (docs/COST_MODEL.md).
+FRESH_OUTPUT_BYTES = 32 << 20
 
 HARDWARE = {
     # This host, measured once by a microbenchmark and cached (passes/host.py).
@@ -57,8 +76,10 @@ def get_hardware(name: str) -> Hardware:
     if name == "cpu":
         from .host import measure_cpu
 
-        return Hardware("cpu", *measure_cpu())
-    return HARDWARE[name]
+        return Hardware("cpu", **measure_cpu())
+    profile = HARDWARE[name]
+    assert profile is not None  # only "cpu" is measured rather than listed
+    return profile
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,11 @@ class NodeCost:
         seconds: roofline estimate of its run time.
         module: module path it came from ("" when unknown).
         op: short op name ("aten.mm", "getitem", ...).
+        timed: ``seconds`` was measured on the device (``calibrate=True``), not estimated.
+        sym_nbytes, sym_flops, sym_bytes_moved: under dynamic shapes, the same
+            quantities as sympy expressions in the graph's size symbols (``s0``,
+            ...); the int fields are these evaluated at the size hints. None
+            when the node's sizes are all static.
     """
 
     nbytes: int
@@ -82,14 +108,28 @@ class NodeCost:
     seconds: float
     module: str
     op: str
+    timed: bool = False
+    sym_nbytes: sympy.Expr | None = None
+    sym_flops: sympy.Expr | None = None
+    sym_bytes_moved: sympy.Expr | None = None
 
 
 def _hint(x) -> int:
     return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else int(x)
 
 
+def _expr(x) -> sympy.Expr:
+    """A size as a sympy expression (a SymInt's expression in the graph's size symbols)."""
+    return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
+
+
 def _numel_bytes(t: torch.Tensor) -> int:
     return _hint(t.numel()) * t.element_size()
+
+
+def _raw_bytes(t: torch.Tensor):
+    """Bytes of ``t`` as an int, or a SymInt under dynamic shapes."""
+    return t.numel() * t.element_size()
 
 
 def _vals(value) -> list[torch.Tensor]:
@@ -98,6 +138,10 @@ def _vals(value) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [x for v in value for x in _vals(v)]
     return []
+
+
+def _symbolic(tensors: list[torch.Tensor]) -> bool:
+    return any(isinstance(d, torch.SymInt) for t in tensors for d in t.shape)
 
 
 def _alias_source(node: fx.Node) -> fx.Node | None:
@@ -117,6 +161,11 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
     alias = schema.returns[0].alias_info
     if alias is None:
         return None
+    if not alias.before_set and str(schema.returns[0].type).startswith("List"):
+        # split/unbind/chunk return Tensor(a)[]: Python sees the list's alias set
+        # empty, but every element is a view of the one input that carries an alias.
+        viewed = [arg for arg, sarg in zip(node.args, schema.arguments) if sarg.alias_info is not None]
+        return viewed[0] if len(viewed) == 1 and isinstance(viewed[0], fx.Node) else None
     for arg, sarg in zip(node.args, schema.arguments):
         if sarg.alias_info is not None and sarg.alias_info.before_set & alias.before_set and isinstance(arg, fx.Node):
             return arg
@@ -140,14 +189,15 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-def _flops(node: fx.Node, out_val) -> int:
+def _flops(node: fx.Node, out_val):
+    """FLOPs of ``node`` as an int, or a SymInt under dynamic shapes."""
     target = node.target
     packet = getattr(target, "_overloadpacket", None)
     args_vals = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
     kwargs_vals = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
     if packet in flop_registry:
         try:
-            return _hint(flop_registry[packet](*args_vals, out_val=out_val, **kwargs_vals))
+            return flop_registry[packet](*args_vals, out_val=out_val, **kwargs_vals)
         except Exception as exc:  # a formula that rejects these args: fall back, but say so
             log.debug("flop formula for %s failed (%s); counting elements", packet, exc)
     name = getattr(packet, "__name__", "")
@@ -156,24 +206,31 @@ def _flops(node: fx.Node, out_val) -> int:
     if packet is None or _alias_source(node) is not None:
         return 0
     # Pointwise and reduction ops: one FLOP per element read (DESIGN.md, cost model).
-    return sum(_hint(t.numel()) for t in _vals(args_vals))
+    return sum(t.numel() for t in _vals(args_vals))
 
 
-def _cpu_sdpa_flops(args_vals, backward: bool) -> int:
+def _cpu_sdpa_flops(args_vals, backward: bool):
     # CPU flash attention: QK^T and PV matmuls, 2*b*h*s_q*s_k*d each (as the CUDA
     # formulas in torch.utils.flop_counter); the backward does 2.5x the forward.
     if backward:
         q, k = args_vals[1], args_vals[2]
     else:
         q, k = args_vals[0], args_vals[1]
-    b, h, s_q, d = (_hint(x) for x in q.shape)
-    s_k = _hint(k.shape[-2])
+    b, h, s_q, d = q.shape
+    s_k = k.shape[-2]
     forward = 4 * b * h * s_q * s_k * d
-    return int(forward * 2.5) if backward else forward
+    return forward * 5 // 2 if backward else forward  # exact: forward is even
 
 
 def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
     """Compute a NodeCost for every node of ``gm`` (placeholders cost nothing).
+
+    Time is ``max(flops / peak_flops, bytes_moved / bandwidth) + launch_seconds``
+    (fused attention at ``attention_flops``), plus the first touch of outputs of
+    ``FRESH_OUTPUT_BYTES`` or more at ``fresh_bandwidth``; views cost
+    ``view_seconds``, getitems nothing. Under dynamic shapes the records also
+    keep bytes and FLOPs as sympy expressions (``sym_*``); the ints are those
+    evaluated at the size hints.
 
     Args:
         gm: a graph whose nodes carry FakeTensor ``meta["val"]`` (AOTAutograd's joint graph).
@@ -181,33 +238,57 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
 
     Returns:
         A side table from node to its cost record, in graph order.
+
+    Example:
+        >>> costs = annotate(joint, get_hardware("a100"))  # doctest: +SKIP
+        >>> sum(c.seconds for c in costs.values())         # estimated seconds of the step
     """
     costs: dict[fx.Node, NodeCost] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         op = _op_name(node)
         if node.op != "call_function" or is_sym_node(node):
-            nbytes = sum(_numel_bytes(t) for t in _vals(val)) if node.op == "placeholder" else 0
-            costs[node] = NodeCost(nbytes, node, 0, 0, 0.0, module_path(node), op)
+            tensors = _vals(val) if node.op == "placeholder" else []
+            nbytes = sum(_numel_bytes(t) for t in tensors)
+            sym = sympy.Add(*(_expr(_raw_bytes(t)) for t in tensors)) if _symbolic(tensors) else None
+            costs[node] = NodeCost(nbytes, node, 0, 0, 0.0, module_path(node), op, sym_nbytes=sym)
             continue
         source = _alias_source(node)
         if source is not None and source in costs:
             owner = costs[source].owner
-            costs[node] = NodeCost(0, owner, 0, 0, 0.0, module_path(node), op)
+            seconds = 0.0 if node.target is operator.getitem else hardware.view_seconds
+            costs[node] = NodeCost(0, owner, 0, 0, seconds, module_path(node), op)
             continue
         tensors = _vals(val)
+        inputs = [t for a in node.all_input_nodes for t in _vals(a.meta.get("val"))]
         multi = isinstance(val, (list, tuple))
+        getitem = node.target is operator.getitem
         # A multi-output node allocates nothing itself; each getitem owns its element.
-        nbytes = 0 if multi else sum(_numel_bytes(t) for t in tensors)
-        flops = _flops(node, val)
-        read = sum(_numel_bytes(t) for a in node.all_input_nodes for t in _vals(a.meta.get("val")))
-        written = sum(_numel_bytes(t) for t in tensors)
-        moved = 0 if node.target is operator.getitem else read + written
-        seconds = 0.0 if node.target is operator.getitem else (
-            max(flops / hardware.peak_flops, moved / hardware.bandwidth) + hardware.launch_seconds
-        )
-        costs[node] = NodeCost(nbytes, node, flops, moved, seconds, module_path(node), op)
+        raw_nbytes = 0 if multi else sum(_raw_bytes(t) for t in tensors)
+        raw_flops = _flops(node, val)
+        raw_moved = 0 if getitem else sum(_raw_bytes(t) for t in inputs) + sum(_raw_bytes(t) for t in tensors)
+        nbytes, flops, moved = _hint(raw_nbytes), _hint(raw_flops), _hint(raw_moved)
+        seconds = 0.0
+        if not getitem:
+            rate = hardware.peak_flops
+            if hardware.attention_flops and _is_attention(node):
+                rate = hardware.attention_flops
+            fresh = sum(b for b in (_numel_bytes(t) for t in tensors) if b >= FRESH_OUTPUT_BYTES)
+            seconds = (
+                max(flops / rate, moved / hardware.bandwidth)
+                + hardware.launch_seconds + fresh / hardware.fresh_bandwidth
+            )
+        sym = {}
+        if _symbolic(tensors + inputs):
+            sym = {"sym_nbytes": _expr(raw_nbytes), "sym_flops": _expr(raw_flops), "sym_bytes_moved": _expr(raw_moved)}
+        costs[node] = NodeCost(nbytes, node, flops, moved, seconds, module_path(node), op, **sym)
     return costs
+
+
+def _is_attention(node: fx.Node) -> bool:
+    """A fused attention kernel (SDPA's flash, efficient or cuDNN variants, forward or backward)."""
+    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+    return "attention" in name and name.startswith("_")
 
 
 def _op_name(node: fx.Node) -> str:

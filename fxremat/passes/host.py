@@ -1,8 +1,28 @@
 """The ``cpu`` hardware profile, measured once on this host and cached.
 
-A short microbenchmark (well under a second) times an fp32 matmul for peak
-FLOP/s, a large copy for memory bandwidth, and a tiny op for per-op overhead.
-The result is cached in ``~/.cache/fxremat/cpu-<torch version>-<threads>.json``
+A short microbenchmark (about half a second) measures the rates that graph ops
+actually reach here, each the way the graph runs it (an aten op called from
+Python, allocating its output, on torch's current thread count):
+
+- ``launch_seconds``: the median over a dozen kinds of op a layer runs (add, gelu,
+  layer norm, softmax, addmm, attention, ...) of one call's time at 16 tokens x 64
+  hidden, where data and FLOPs take a microsecond or two (dispatch, allocation,
+  kernel set-up);
+- ``view_seconds``: one call of ``aten.view`` (dispatch only, no data);
+- ``peak_flops``: fp32 ``aten.addmm`` at a layer's shape (1024 tokens, 512 -> 1024);
+- ``attention_flops``: causal SDPA (CPU flash attention) at (2, 8, 256, 64);
+- ``bandwidth``: ``aten.add`` of two 8 MiB tensors into a new output (bytes read
+  plus written per second; most activations of small models sit in cache);
+- ``fresh_bandwidth``: the first write to a new 64 MiB block (page faults; glibc
+  maps every block of 32 MiB or more afresh, see ``cost.FRESH_OUTPUT_BYTES``).
+
+Each rate is the median of a few reps: what the op typically reaches on this
+host as loaded at the time. A shared host changes speed with its neighbours'
+load (docs/COST_MODEL.md measures 2-10x on a 2-vCPU host), which no profile
+measured once predicts; ``calibrate=True`` times the graph's own ops at
+compile time instead, and deleting the cached file measures the host again.
+
+The result is cached in ``~/.cache/fxremat/cpu-v2-<torch version>-<threads>.json``
 (``FXREMAT_CACHE_DIR`` overrides the folder) so compiles do not repeat it.
 """
 
@@ -19,56 +39,136 @@ import torch
 
 from .._torch_compat import disable_current_modes
 
-__all__ = ["measure_cpu", "cache_path"]
+__all__ = ["measure_cpu", "cache_path", "CACHE_VERSION"]
 
 log = logging.getLogger(__name__)
 
-# Sizes: a 512^3 matmul (~0.27 GFLOP) runs at the rate BLAS reaches on the
-# mid-size matmuls of real layers, below the peak of huge ones; a 64 MiB copy
-# exceeds any cache. The median of the reps resists a noisy shared host.
-_MATMUL_N = 512
-_COPY_BYTES = 64 << 20
-_REPS = 5
+# Bump when what is measured changes, so stale profiles are not reused.
+# v2: per-op fixed cost of a layer's op mix, view dispatch, layer-shaped matmul, attention, pointwise bandwidth, fresh pages.
+CACHE_VERSION = 2
+# A layer's matmul: 1024 tokens x hidden 512 -> 1024 (1.07 GFLOP, 6-25 ms on 1-2
+# threads here). Small-model matmuls reach less than huge ones; this is the middle.
+_MM_M, _MM_K, _MM_N = 1024, 512, 1024
+# Causal attention at (batch 2, 8 heads, 256 tokens, head dim 64): 0.27 GFLOP as
+# flop_counter counts it (4*b*h*s*s*d); CPU flash attention reaches about half the
+# matmul rate per counted FLOP here (docs/COST_MODEL.md).
+_ATTN_SHAPE = (2, 8, 256, 64)
+# A mid-size activation (2M fp32 elements): above torch's parallel grain (32768
+# elements), so the op runs on all threads, as real activations do.
+_POINTWISE_BYTES = 8 << 20
+# Above glibc's largest mmap threshold (32 MiB), so every allocation is fresh pages.
+_FRESH_BYTES = 64 << 20
+# Calls per sample for the microsecond-scale ops, so the timer's resolution does not matter.
+_TINY_CALLS = 50
+# Median of several reps: the rate ops typically reach on this host as it is loaded
+# when measured (a best-of would report a quiet moment that a shared host rarely
+# gives); cheap ops get more reps. Each measurement stays under about 0.2 s.
+_REPS = 7
+_MM_REPS = 7
+_POINTWISE_REPS = 11
+_FRESH_REPS = 3
 
 
 def cache_path() -> Path:
+    """Where this host's profile is cached (one file per torch version and thread count)."""
     folder = Path(os.environ.get("FXREMAT_CACHE_DIR", Path.home() / ".cache" / "fxremat"))
-    return folder / f"cpu-{torch.__version__}-{torch.get_num_threads()}.json"
+    return folder / f"cpu-v{CACHE_VERSION}-{torch.__version__}-{torch.get_num_threads()}.json"
 
 
-def _median(fn, reps: int = _REPS) -> float:
+def _median(fn, calls: int = 1, reps: int = _REPS) -> float:
+    """Median per-call seconds of ``fn`` over ``reps`` samples of ``calls`` calls (after two warm-ups:
+    the first allocations of a size also move malloc's thresholds)."""
     fn()
-    times = []
+    fn()
+    samples = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t) / calls)
+    return statistics.median(samples)
 
 
-def measure_cpu() -> tuple[float, float, float]:
-    """(peak FLOP/s, bandwidth bytes/s, per-op seconds) of this host, from the cache when present."""
+def _small_ops() -> list:
+    """The kinds of op a transformer layer runs, at 16 tokens x 64 hidden, where their
+    data and FLOPs take a microsecond or two: what remains is each op's fixed cost
+    (3-15 us here: dispatch, allocation, kernel set-up; more for fused kernels)."""
+    aten = torch.ops.aten
+    x, w, b = torch.randn(16, 64), torch.randn(64, 64), torch.randn(64)
+    q, ids = torch.randn(1, 4, 16, 16), torch.zeros(16, dtype=torch.long)
+    return [
+        lambda: aten.add.Tensor(x, x),
+        lambda: aten.mul.Tensor(x, x),
+        lambda: aten.tanh.default(x),
+        lambda: aten.gelu.default(x),
+        lambda: aten.clone.default(x),
+        lambda: aten.sum.dim_IntList(x, [-1]),
+        lambda: aten.cat.default([x, x], -1),
+        lambda: aten._softmax.default(x, -1, False),
+        lambda: aten.native_layer_norm.default(x, [64], b, b, 1e-5),
+        lambda: aten.embedding.default(w, ids),
+        lambda: aten.addmm.default(b, x, w.t()),
+        lambda: aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0, True),
+    ]
+
+
+def _measure() -> dict[str, float]:
+    aten = torch.ops.aten
+    # The median kind: one or two kinds caught waiting for a descheduled thread (ms on a
+    # shared host, docs/COST_MODEL.md) do not set every op's cost.
+    launch = statistics.median(_median(op, calls=_TINY_CALLS) for op in _small_ops())
+    small = torch.ones(64, 64)
+    view = _median(lambda: aten.view.default(small, [4096]), calls=_TINY_CALLS)
+    a, w, bias = torch.randn(_MM_M, _MM_K), torch.randn(_MM_N, _MM_K), torch.randn(_MM_N)
+    mm = _median(lambda: aten.addmm.default(bias, a, w.t()), reps=_MM_REPS)
+    q = torch.randn(_ATTN_SHAPE)
+    attn = _median(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    b, h, s, d = _ATTN_SHAPE
+    x = torch.randn(_POINTWISE_BYTES // 4)
+    add = _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
+    fresh = _median(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0), reps=_FRESH_REPS)
+    bandwidth = 3 * _POINTWISE_BYTES / max(add - launch, 1e-9)  # two reads, one write
+    # The fill itself writes at ``bandwidth``; the rest of the time is page faults.
+    faults = max(fresh - launch - _FRESH_BYTES / bandwidth, 1e-9)
+    return {
+        "peak_flops": 2 * _MM_M * _MM_K * _MM_N / max(mm - launch, 1e-9),
+        "attention_flops": 4 * b * h * s * s * d / max(attn - launch, 1e-9),
+        "bandwidth": bandwidth,
+        "launch_seconds": launch,
+        "view_seconds": view,
+        "fresh_bandwidth": _FRESH_BYTES / faults,
+    }
+
+
+def measure_cpu() -> dict[str, float]:
+    """This host's rates as ``Hardware`` fields (peak_flops, attention_flops, bandwidth,
+    launch_seconds, view_seconds, fresh_bandwidth), from the cache when present.
+
+    Returns:
+        Field name -> value, for ``Hardware("cpu", **measure_cpu())``.
+    """
     path = cache_path()
     try:
         data = json.loads(path.read_text())
-        return data["peak_flops"], data["bandwidth"], data["launch_seconds"]
-    except (OSError, ValueError, KeyError):
+        if set(data) == _FIELDS:
+            return data
+    except (OSError, ValueError):
         pass
+    t0 = time.perf_counter()
     # Planning runs inside AOTAutograd's fake mode: time real tensors.
     with disable_current_modes(), torch.no_grad():
-        a = torch.randn(_MATMUL_N, _MATMUL_N)
-        b = torch.randn(_MATMUL_N, _MATMUL_N)
-        flops = 2 * _MATMUL_N**3 / _median(lambda: torch.mm(a, b))
-        src = torch.empty(_COPY_BYTES // 4)
-        dst = torch.empty_like(src)
-        bandwidth = 2 * _COPY_BYTES / _median(lambda: dst.copy_(src))  # read + write
-        tiny = torch.ones(1)
-        launch = _median(lambda: [tiny.add(1) for _ in range(100)]) / 100
-    data = {"peak_flops": flops, "bandwidth": bandwidth, "launch_seconds": launch}
+        data = _measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
     except OSError as exc:  # a read-only home: measure again next time, say so
         log.info("could not cache the cpu profile at %s: %s", path, exc)
-    log.info("cpu profile: %.1f GFLOP/s, %.1f GB/s, %.1f us/op", flops / 1e9, bandwidth / 1e9, launch * 1e6)
-    return flops, bandwidth, launch
+    log.info(
+        "cpu profile in %.2f s: %.1f GFLOP/s (attention %.1f), %.1f GB/s, %.1f us/op, %.1f us/view, %.2f GB/s fresh pages",
+        time.perf_counter() - t0, data["peak_flops"] / 1e9, data["attention_flops"] / 1e9, data["bandwidth"] / 1e9,
+        data["launch_seconds"] * 1e6, data["view_seconds"] * 1e6, data["fresh_bandwidth"] / 1e9,
+    )
+    return data
+
+
+_FIELDS = {"peak_flops", "attention_flops", "bandwidth", "launch_seconds", "view_seconds", "fresh_bandwidth"}
