@@ -1,0 +1,149 @@
+"""Inductor's fusion in the memory model: liveness rules by hand, the fusion pass against Inductor itself.
+
+The liveness tests work out every expected number in their comments. The
+Inductor tests compile zoo models and read the buffers Inductor's scheduler
+really creates (its post-fusion hook): a value fxremat counts as fused must
+never be one of them, and the prediction must bound the measured peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxremat
+from fxremat._torch_compat import inductor_config
+from fxremat.passes import partition as partition_pass
+from fxremat.passes.cost import annotate
+from fxremat.passes.fusion import fused_nodes
+from fxremat.solvers import schedule
+from fxremat.solvers.types import BACKWARD, FORWARD, RematProblem
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo import ZOO  # noqa: E402
+
+F, B = FORWARD, BACKWARD
+
+
+def problem(nodes, **tags) -> RematProblem:
+    """(name, phase, inputs, nbytes) rows; every node owns its storage."""
+    return RematProblem(
+        names=tuple(n[0] for n in nodes),
+        phase=tuple(n[1] for n in nodes),
+        inputs=tuple(tuple(n[2]) for n in nodes),
+        nbytes=tuple(n[3] for n in nodes),
+        storage=tuple(range(len(nodes))),
+        seconds=(1.0,) * len(nodes),
+        flops=(1,) * len(nodes),
+        **tags,
+    )
+
+
+def chain() -> RematProblem:
+    # Forward: a (10 B) -> b = pointwise(a) (10 B, fused) -> c = reduce(b) (1 B, output).
+    # Backward: t (1 B), g = grad(t, a) (10 B, returned).
+    return problem(
+        [("a", F, (), 10), ("b", F, (0,), 10), ("c", F, (1,), 1), ("t", B, (), 1), ("g", B, (3, 0), 10)],
+        fw_outputs=(2,), tangents=(3,), bw_outputs=(4,), fused=(1,),
+    )
+
+
+def test_a_fused_value_allocates_nothing_and_keeps_its_input_alive():
+    p = chain()
+    # Keep a. Forward: a=10, b fused (10), c=11. Backward: t=12, g=22. Without
+    # fusion b would add 10 while c runs (21 at c).
+    timeline = schedule.liveness(p, *schedule.programs(p, (0,), ()), (0,))
+    assert [live for _, _, live in timeline.steps] == [10, 10, 11, 12, 22]
+    unfused = RematProblem(**{**p.__dict__, "fused": ()})
+    assert [live for _, _, live in schedule.liveness(unfused, *schedule.programs(unfused, (0,), ()), (0,)).steps] == [10, 20, 21, 12, 22]
+
+
+def test_a_kept_fused_value_is_materialized():
+    # Backward reads b: keeping b makes the forward write it (10 B) for the backward.
+    p = problem(
+        [("a", F, (), 10), ("b", F, (0,), 10), ("c", F, (1,), 1), ("t", B, (), 1), ("g", B, (3, 1), 10)],
+        fw_outputs=(2,), tangents=(3,), bw_outputs=(4,), fused=(1,),
+    )
+    # Keep b: forward a=10, b=20 (then a is freed) -> 10, c=11. Backward t=12, g=22.
+    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, (1,), ()), (1,)).steps] == [10, 20, 11, 12, 22]
+    # Keep a, recompute b: b is computed inside g's kernel, so it costs nothing.
+    # Forward: a=10, b=10, c=11. Backward: t=12, b=12, g=22.
+    kept, recomputed = schedule.close(p, (0,))
+    assert (kept, recomputed) == ((0,), (1,))
+    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, kept, recomputed), kept).steps] == [10, 10, 11, 12, 12, 22]
+
+
+def test_released_outputs_die_when_the_backward_starts():
+    # a (10 B) -> o (20 B, output, unused by the backward). Backward: t (20 B), g = grad(t, a) (10 B).
+    nodes = [("a", F, (), 10), ("o", F, (0,), 20), ("t", B, (), 20), ("g", B, (2, 0), 10)]
+    held = problem(nodes, fw_outputs=(1,), tangents=(2,), bw_outputs=(3,))
+    released = problem(nodes, fw_outputs=(1,), tangents=(2,), bw_outputs=(3,), outputs_released=True)
+    programs = schedule.programs(held, (0,), ())
+    # Held: forward 10, 30; backward t=50, g=60. Released: o goes at the backward's start: t=30, g=40.
+    assert [live for _, _, live in schedule.liveness(held, *programs, (0,)).steps] == [10, 30, 50, 60]
+    assert [live for _, _, live in schedule.liveness(released, *programs, (0,)).steps] == [10, 30, 30, 40]
+
+
+# --------------------------------------------------------------------------
+# Against Inductor
+# --------------------------------------------------------------------------
+
+
+def _compile_and_observe(name: str, budget, monkeypatch):
+    """Compile a zoo model with fxremat under Inductor; return (fused names per program,
+    Inductor's realized buffer origins per program, the plan, the measured peak)."""
+    realized: list[set[str]] = []
+
+    def post_fusion(nodes):
+        names = set()
+        for node in nodes:
+            for out in node.get_outputs():
+                origin = getattr(out.node, "origin_node", None)
+                if origin is not None:
+                    names.add(origin.name)
+        realized.append(names)
+        return nodes
+
+    ours: list[set[str]] = []
+    simulate = partition_pass.simulate
+
+    def observed(fw, bw, *args, **kwargs):
+        for gm in (fw, bw):
+            ours.append({n.name for n in fused_nodes(gm.graph, annotate(gm, partition_pass.get_hardware("cpu")))})
+        return simulate(fw, bw, *args, **kwargs)
+
+    monkeypatch.setattr(partition_pass, "simulate", observed)
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    base, inputs = ZOO[name]()
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
+    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(*inputs).backward()
+        measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
+    return ours[-2:], realized[-2:], fxremat.plans()[-1], measured.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["llama", "transformer"])
+def test_values_counted_as_fused_are_never_buffers_in_inductor(name, monkeypatch):
+    # The least-memory plan recomputes the most, so the backward holds the most fused chains.
+    ours, realized, _, _ = _compile_and_observe(name, 1, monkeypatch)
+    assert len(ours) == 2 and len(realized) == 2
+    for program, fused, buffers in zip(("forward", "backward"), ours, realized):
+        assert fused, f"{name} {program}: nothing counted as fused; the pass is not running"
+        wrongly = sorted(fused & buffers)
+        assert not wrongly, f"{name} {program}: counted as fused but Inductor allocates them: {wrongly}"
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_inductor_prediction_bounds_the_measured_peak(name, monkeypatch):
+    # When written: mlp exact before the 4% allowance (+4.0% with it); transformer's least
+    # plans simulated -3.0% to +7.4% of measured (+1.1% to +11.7% with the allowance).
+    _, _, plan, measured = _compile_and_observe(name, 1, monkeypatch)
+    assert measured <= plan.predicted_peak <= 1.15 * measured, (plan.predicted_peak, measured)
