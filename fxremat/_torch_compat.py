@@ -29,6 +29,7 @@ __all__ = [
     "ShortenTraceback",
     "disable_current_modes",
     "inductor_lowering",
+    "current_compile_id",
 ]
 
 SUPPORTED_TORCH = (">=2.13", "<2.15")
@@ -64,6 +65,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E4
 # Which aten ops Inductor lowers into generated kernels, and which run as extern or
 # fallback kernels that need their inputs materialized (the fusion model of passes/fusion.py).
 from torch._inductor import lowering as inductor_lowering  # noqa: E402
+# Dynamo's frame id for the graph being compiled: recompiles of one frame are not graph breaks.
+from torch._guards import CompileContext  # noqa: E402
+current_compile_id = CompileContext.current_compile_id
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
 

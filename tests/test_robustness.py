@@ -941,3 +941,24 @@ def test_inductor_fx_graph_cache_never_serves_another_budgets_plan(inductor_cach
 def test_inductor_cache_hit_still_records_a_plan(inductor_cache_runs):
     _, second = inductor_cache_runs
     assert second[1]["plans"] == 1 and second[1]["plan_budget"] == CACHE_BUDGET_A, second[1]
+
+
+def test_recompiles_of_one_frame_do_not_warn_about_graph_breaks():
+    # A changed thread count and a new batch size recompile the same frame: that is not a
+    # second graph of the step, so the "same budget" graph-break warning must stay quiet.
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    compiled = torch.compile(model, backend="fxremat", options={"budget": "1MiB", "inner": "eager", "time_limit": 3.0})
+    before = len(fxremat.plans())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(torch.randn(32, 64)).sum().backward()
+            torch.set_num_threads(1 if threads != 1 else 2)
+            compiled(torch.randn(32, 64)).sum().backward()
+            compiled(torch.randn(48, 64)).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(fxremat.plans()) >= before + 2, "the frame did not recompile; the test checks nothing"
+    assert not [w for w in caught if "same budget" in str(w.message)]

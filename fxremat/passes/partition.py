@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from .._torch_compat import functorch_config, fx_graph_cse, partitioners
+from .._torch_compat import current_compile_id, functorch_config, fx_graph_cse, partitioners
 from ..budget import BudgetError, format_bytes
 from ..options import Options
 from ..plan import NodeRecord, Plan, ValueRecord, next_graph_name, plans, record
@@ -155,17 +155,26 @@ def _specialize_sizes(joint: fx.GraphModule) -> None:
 
 
 _WARNED_SHARED: set[str] = set()
+# Dynamo frame each recorded plan was compiled for, by plan name: a recompile of the same
+# frame (new sizes, new guards) replaces its graph, while a graph break starts a new frame.
+_FRAME_OF: dict[str, int | None] = {}
 
 
-def _warn_if_shared_budget(plan: Plan, options: Options) -> None:
-    """Warn once per option set when a second graph is planned under the same budget.
+def _current_frame() -> int | None:
+    compile_id = current_compile_id()
+    return None if compile_id is None else compile_id.frame_id
 
-    Graph breaks split a step into several graphs; each is planned under the
-    whole budget, because a graph cannot see what the others keep alive.
+
+def _warn_if_shared_budget(plan: Plan, options: Options, frame: int | None) -> None:
+    """Warn once per option set when graphs of different frames are planned under one budget.
+
+    Graph breaks split a step into several graphs (Dynamo frames); each is planned under
+    the whole budget, because a graph cannot see what the others keep alive. Recompiles
+    of one frame (a new sequence length, a changed thread count) do not warn.
     """
     if options.budget is None or options.key() in _WARNED_SHARED:
         return
-    earlier = [p for p in plans() if p.budget == options.budget]
+    earlier = [p for p in plans() if p.budget == options.budget and _FRAME_OF.get(p.graph) != frame]
     if earlier:
         _WARNED_SHARED.add(options.key())
         warnings.warn(
@@ -318,7 +327,9 @@ def partition(
         largest=_largest(pg, costs),
         problem=problem,
     )
-    _warn_if_shared_budget(plan, options)
+    frame = _current_frame()
+    _warn_if_shared_budget(plan, options, frame)
+    _FRAME_OF[plan.graph] = frame
     record(plan)
     log.info(
         "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
