@@ -40,7 +40,7 @@ import torch.fx as fx
 from .._torch_compat import inductor_lowering
 from .cost import NodeCost
 
-__all__ = ["fused_nodes", "inplace_pairs", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
+__all__ = ["fused_nodes", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
 
 # torch._inductor.config.realize_reads_threshold (4 in torch 2.13): a body with
 # several users that reads more buffers than this is realized.
@@ -184,40 +184,3 @@ def _consumers(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> list[fx.Node] |
         out.append(user)
     return sorted(out, key=lambda n: n.name)
 
-
-def _same_layout(a: fx.Node, b: fx.Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-        return False
-    return va.dtype == vb.dtype and tuple(va.shape) == tuple(vb.shape) and tuple(va.stride()) == tuple(vb.stride())
-
-
-def inplace_pairs(graph: fx.Graph, costs: dict[fx.Node, NodeCost], fused: set[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
-    """(writer, buffer) pairs where Inductor may write ``writer``'s output into ``buffer``.
-
-    Inductor's in-place buffer reuse (``config.inplace_buffers``): a pointwise
-    kernel whose input buffer dies at that kernel, with the same dtype, shape
-    and strides, writes its output there instead of allocating. Inputs are
-    looked for through fused producers of the same layout (the kernel reads
-    them at the same index). Whether the buffer really dies there depends on
-    the plan, so the simulation decides; this only lists the candidates.
-    """
-    pairs: list[tuple[fx.Node, fx.Node]] = []
-    for node in graph.nodes:
-        if (
-            not _is_pointwise(node) or node in fused or _op_name(node) in _POINTWISE_BODIES
-            or costs[node].owner is not node or not costs[node].nbytes
-        ):
-            continue
-        seen: set[fx.Node] = set()
-        stack = list(node.all_input_nodes)
-        while stack:
-            a = stack.pop()
-            if a in seen or not _same_layout(a, node):
-                continue
-            seen.add(a)
-            if a in fused:
-                stack.extend(a.all_input_nodes)
-            elif a.op == "call_function" and costs[a].owner is a and costs[a].nbytes == costs[node].nbytes:
-                pairs.append((node, a))
-    return pairs

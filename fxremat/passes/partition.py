@@ -27,7 +27,7 @@ from ..solvers.types import BACKWARD, FORWARD, Decision, SolveOptions
 from .apply import apply_decision
 from .calibrate import calibrate_costs
 from .cost import NodeCost, annotate, get_hardware
-from .fusion import fused_nodes, inplace_pairs
+from .fusion import fused_nodes
 from .problem import ProblemGraph, build_problem, is_tangent
 from .scratch import measure_scratch
 from .simulate import simulate
@@ -235,8 +235,7 @@ def partition(
     t1 = time.perf_counter()
     fusion = options.inner == "inductor"
     fused = fused_nodes(joint.graph, costs) if fusion else set()
-    pairs = inplace_pairs(joint.graph, costs, fused) if fusion else []
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)

@@ -114,7 +114,6 @@ def build_problem(
     scratch: dict[fx.Node, int] | None = None,
     fused: set[fx.Node] | None = None,
     outputs_released: bool = False,
-    inplace: list[tuple[fx.Node, fx.Node]] | None = None,
 ) -> ProblemGraph:
     """Build the plain problem for a joint graph.
 
@@ -126,7 +125,6 @@ def build_problem(
         scratch: the scratch pass's table (bytes an op allocates inside itself).
         fused: nodes the inner compiler computes inside their consumers (``passes/fusion.py``).
         outputs_released: the caller drops the forward's outputs before the backward.
-        inplace: (writer, buffer) node pairs where the writer may reuse a dying buffer.
 
     Returns:
         The problem and the fx node behind each id.
@@ -190,7 +188,5 @@ def build_problem(
         scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
         fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
         outputs_released=outputs_released,
-        inplace=tuple(sorted({(ids[w], ids[b]) for w, b in (inplace or ()) if w in ids and b in ids
-                              and storage[ids[w]] == ids[w] and storage[ids[b]] == ids[b] and ids[b] < ids[w]})),
     )
     return ProblemGraph(problem, tuple(nodes))

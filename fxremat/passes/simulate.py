@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..solvers.schedule import Timeline, liveness
 from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import Hardware, annotate
-from .fusion import fused_nodes, inplace_pairs
+from .fusion import fused_nodes
 from .problem import is_tangent
 
 __all__ = ["Simulation", "simulate"]
@@ -108,11 +108,8 @@ def simulate(
     tangents = tuple(ids[n] for n in bw_nodes if is_tangent(n))
     n = len(names)
     fused: set[fx.Node] = set()
-    pairs: list[tuple[fx.Node, fx.Node]] = []
     if fusion:
-        fw_fused, bw_fused = fused_nodes(fw.graph, fw_costs), fused_nodes(bw.graph, bw_costs)
-        fused = fw_fused | bw_fused
-        pairs = inplace_pairs(fw.graph, fw_costs, fw_fused) + inplace_pairs(bw.graph, bw_costs, bw_fused)
+        fused = fused_nodes(fw.graph, fw_costs) | fused_nodes(bw.graph, bw_costs)
     scratch_by_name = scratch_by_name or {}
     problem = RematProblem(
         names=tuple(names), phase=tuple(phase), inputs=tuple(inputs), nbytes=tuple(nbytes),
@@ -121,8 +118,6 @@ def simulate(
         scratch=tuple(scratch_by_name.get(name, 0) for name in names),
         fused=tuple(sorted(ids[f] for f in fused if f in ids and storage[ids[f]] == ids[f])),
         outputs_released=outputs_released,
-        inplace=tuple(sorted({(ids[w], ids[b]) for w, b in pairs if w in ids and b in ids
-                              and storage[ids[w]] == ids[w] and storage[ids[b]] == ids[b] and ids[b] < ids[w]})),
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 
