@@ -45,7 +45,11 @@ def build(small: bool, max_len: int) -> LossOf:
                      bos_token_id=vocab - 1, eos_token_id=vocab - 1,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
-    return LossOf(GPT2LMHeadModel(cfg))
+    lm = GPT2LMHeadModel(cfg)
+    # GPT2LMHeadModel sets no loss_type; transformers then warns inside forward, which breaks
+    # the graph in two, each planned under the whole budget. Naming it keeps one graph.
+    lm.loss_type = "ForCausalLM"
+    return LossOf(lm)
 
 
 def eager_peak(model: LossOf, ids) -> int:

@@ -30,6 +30,7 @@ def build(small: bool):
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # without it transformers warns inside forward: a graph break
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
     return model, ids
 
