@@ -25,23 +25,15 @@ from fxremat.solvers import schedule
 from fxremat.solvers.types import BACKWARD, FORWARD, RematProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_schedule import problem as schedule_problem  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 F, B = FORWARD, BACKWARD
 
 
 def problem(nodes, **tags) -> RematProblem:
-    """(name, phase, inputs, nbytes) rows; every node owns its storage."""
-    return RematProblem(
-        names=tuple(n[0] for n in nodes),
-        phase=tuple(n[1] for n in nodes),
-        inputs=tuple(tuple(n[2]) for n in nodes),
-        nbytes=tuple(n[3] for n in nodes),
-        storage=tuple(range(len(nodes))),
-        seconds=(1.0,) * len(nodes),
-        flops=(1,) * len(nodes),
-        **tags,
-    )
+    """(name, phase, inputs, nbytes) rows; every node owns its storage (test_schedule's builder)."""
+    return schedule_problem([(*row, None) for row in nodes], **tags)
 
 
 def chain() -> RematProblem:
