@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import inductor_lowering
-from .cost import NodeCost
+from .cost import NodeCost, _hint
 
 __all__ = ["fused_nodes", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
 
@@ -74,7 +74,7 @@ def _is_pointwise(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    return torch.Tag.pointwise in target.tags or target.overloadpacket.__name__ in _POINTWISE_BODIES
+    return torch.Tag.pointwise in target.tags or _op_name(node) in _POINTWISE_BODIES
 
 
 def _in_generated_kernel(node: fx.Node) -> bool:
@@ -92,7 +92,7 @@ def _in_generated_kernel(node: fx.Node) -> bool:
         return False
     if target not in inductor_lowering.lowerings:
         return False
-    return _is_pointwise(node) or target.overloadpacket.__name__ in _REDUCTIONS
+    return _is_pointwise(node) or _op_name(node) in _REDUCTIONS
 
 
 def _op_name(node: fx.Node) -> str:
@@ -142,8 +142,7 @@ def _numel(node: fx.Node) -> int:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    numel = val.numel()
-    return int(numel) if not isinstance(numel, torch.SymInt) else int(numel.node.hint or 0)
+    return _hint(val.numel())
 
 
 def _heavy_nearby(node: fx.Node) -> bool:

@@ -178,9 +178,6 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     kept_set = set(kept)
     gone = virtual(problem, kept_set)
     inputs = reads(problem, gone)
-    into: dict[int, list[int]] = {}
-    for writer, buffer in problem.inplace:
-        into.setdefault(writer, []).append(buffer)
     pinned = {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
     steps: list[tuple[int, int, int]] = []
     live = 0
@@ -205,18 +202,10 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     for s, i in fw_last.items():
         if s not in held:
             frees.setdefault(i, []).append(s)
-    def allocate(v: int, i: int, last: dict[int, int], keep: set[int]) -> int:
-        """Bytes ``v`` adds: 0 when it writes into a buffer that dies at this step."""
-        for u in into.get(v, ()):
-            if u in alive and last.get(u) == i and u not in keep and alive[u] == problem.nbytes[v]:
-                alive[v] = alive.pop(u)
-                return 0
-        alive[v] = problem.nbytes[v]
-        return problem.nbytes[v]
-
     for i, v in enumerate(forward):
         if problem.nbytes[v] and storage[v] == v and v not in gone:
-            live += allocate(v, i, fw_last, held)
+            alive[v] = problem.nbytes[v]
+            live += problem.nbytes[v]
         during = live + (scratch[v] if scratch else 0)
         steps.append((v, FORWARD, during))
         if during > peak:
@@ -238,7 +227,8 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
             live -= alive.pop(s)
     for i, v in enumerate(backward):
         if problem.nbytes[v] and storage[v] == v and v not in gone:
-            live += allocate(v, i, bw_last, pinned)
+            alive[v] = problem.nbytes[v]
+            live += problem.nbytes[v]
         during = live + (scratch[v] if scratch else 0)
         steps.append((v, BACKWARD, during))
         if during > peak:
