@@ -147,7 +147,9 @@ def gpt2():
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
-    return HFLoss(GPT2LMHeadModel(cfg)), (torch.randint(0, 256, (2, 32)),)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # unset, transformers warns inside forward and breaks the graph
+    return HFLoss(model), (torch.randint(0, 256, (2, 32)),)
 
 
 def llama():
