@@ -204,7 +204,10 @@ def problems(draw, max_forward: int = 10) -> RematProblem:
     # Inductor-style fusion: some values (forward or backward) allocate nothing unless kept or returned.
     owners = [v for v in range(p.size) if p.storage[v] == v and p.nbytes[v] and v not in p.tangents]
     fused = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(owners), max_size=len(owners)))) if owners else set()
-    return replace(p, fused=tuple(sorted(fused)), outputs_released=draw(st.booleans()))
+    # Inductor-style in-place reuse: a value may write into an earlier same-size buffer that dies there.
+    pairs = [(v, u) for v in owners for u in owners if u < v and p.nbytes[u] == p.nbytes[v]]
+    inplace = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(pairs), max_size=4))) if pairs else set()
+    return replace(p, fused=tuple(sorted(fused)), outputs_released=draw(st.booleans()), inplace=tuple(sorted(inplace)))
 
 
 def valid_rules(p: RematProblem) -> bool:

@@ -174,8 +174,10 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
             if u in position:
                 last[storage[u]] = max(last.get(storage[u], -1), i)
     fixed = [0] * (len(backward) + 1)
+    # A value that may write into a dying buffer (in-place) may allocate nothing: not counted.
+    writers = {w for w, _ in problem.inplace}
     for i, v in enumerate(backward):
-        if storage[v] == v and problem.nbytes[v] and v not in fused:
+        if storage[v] == v and problem.nbytes[v] and v not in fused and v not in writers:
             fixed[i] += problem.nbytes[v]
             fixed[len(backward) if v in pinned else last[v] + 1] -= problem.nbytes[v]
     for i in range(1, len(backward) + 1):

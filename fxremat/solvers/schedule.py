@@ -126,13 +126,15 @@ class Timeline:
 
     ``steps[i]`` is (node id, phase, live bytes while the node runs: everything
     alive, its output and its scratch, before anything is freed). ``peak`` is the largest of them and of
-    the backward's starting point.
+    the backward's starting point. ``reused`` lists the in-place pairs
+    (writer, buffer) the replay took.
     """
 
     steps: tuple[tuple[int, int, int], ...]
     peak: int
     peak_step: int
     kept_bytes: int
+    reused: tuple[tuple[int, int], ...] = ()
 
 
 def virtual(problem: RematProblem, kept) -> frozenset[int]:
@@ -178,6 +180,9 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     kept_set = set(kept)
     gone = virtual(problem, kept_set)
     inputs = reads(problem, gone)
+    into: dict[int, list[int]] = {}
+    for writer, buffer in problem.inplace:
+        into.setdefault(writer, []).append(buffer)
     pinned = {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
     steps: list[tuple[int, int, int]] = []
     live = 0
@@ -202,10 +207,21 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     for s, i in fw_last.items():
         if s not in held:
             frees.setdefault(i, []).append(s)
+    reused: list[tuple[int, int]] = []
+
+    def allocate(v: int, i: int, last: dict[int, int], keep: set[int]) -> int:
+        """Bytes ``v`` adds: 0 when it writes into a buffer that dies at this step."""
+        for u in into.get(v, ()):
+            if u in alive and last.get(u) == i and u not in keep and alive[u] == problem.nbytes[v]:
+                alive[v] = alive.pop(u)
+                reused.append((v, u))
+                return 0
+        alive[v] = problem.nbytes[v]
+        return problem.nbytes[v]
+
     for i, v in enumerate(forward):
         if problem.nbytes[v] and storage[v] == v and v not in gone:
-            alive[v] = problem.nbytes[v]
-            live += problem.nbytes[v]
+            live += allocate(v, i, fw_last, held)
         during = live + (scratch[v] if scratch else 0)
         steps.append((v, FORWARD, during))
         if during > peak:
@@ -225,17 +241,18 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     for s in list(alive):
         if s not in pinned and s not in bw_last:
             live -= alive.pop(s)
+    # A saved tensor that is also a user output is not donated to the backward.
+    undonated = pinned | {storage[v] for v in problem.fw_outputs}
     for i, v in enumerate(backward):
         if problem.nbytes[v] and storage[v] == v and v not in gone:
-            alive[v] = problem.nbytes[v]
-            live += problem.nbytes[v]
+            live += allocate(v, i, bw_last, undonated)
         during = live + (scratch[v] if scratch else 0)
         steps.append((v, BACKWARD, during))
         if during > peak:
             peak, peak_step = during, len(steps) - 1
         for s in frees.get(i, ()):
             live -= alive.pop(s, 0)
-    return Timeline(tuple(steps), peak, peak_step, kept_bytes)
+    return Timeline(tuple(steps), peak, peak_step, kept_bytes, tuple(reused))
 
 
 def evaluate(problem: RematProblem, kept) -> tuple[tuple[int, ...], tuple[int, ...], int, float]:

@@ -50,6 +50,9 @@ class RematProblem:
             (Inductor's inlined pointwise values). A fused value allocates
             nothing and its inputs stay alive until its consumers run, unless
             it is kept or returned: then it is materialized.
+        inplace: (writer, buffer) pairs: ``writer`` may write its output into
+            ``buffer``'s storage when that storage is last used by ``writer``
+            (Inductor's in-place buffer reuse); it then allocates nothing.
         outputs_released: the caller drops the forward's outputs before the
             backward runs (``loss = model(x).loss`` drops the logits), so they
             live to the forward's end, not to the step's end.
@@ -72,6 +75,7 @@ class RematProblem:
     scratch: tuple[int, ...] = ()
     fused: tuple[int, ...] = ()
     outputs_released: bool = False
+    inplace: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -88,6 +92,9 @@ class RematProblem:
         for v in self.fused:
             if not 0 <= v < n or self.storage[v] != v:
                 raise ValueError(f"fused id {v} must be a node that owns its storage")
+        for v, u in self.inplace:
+            if not 0 <= u < v < n or self.storage[u] != u or self.storage[v] != v:
+                raise ValueError(f"in-place pair ({v}, {u}) must be a writer after a buffer owner, both owning storage")
         for v, s in enumerate(self.storage):
             if not 0 <= s <= v:
                 raise ValueError(f"node {v} ({self.names[v]}) lives in storage {s}: owners must precede aliases")
