@@ -30,6 +30,8 @@ __all__ = [
     "disable_current_modes",
     "inductor_lowering",
     "current_compile_id",
+    "inductor_kernel_args",
+    "inductor_graph_lowering",
 ]
 
 SUPPORTED_TORCH = (">=2.13", "<2.15")
@@ -68,6 +70,10 @@ from torch._inductor import lowering as inductor_lowering  # noqa: E402
 # Dynamo's frame id for the graph being compiled: recompiles of one frame are not graph breaks.
 from torch._guards import CompileContext  # noqa: E402
 current_compile_id = CompileContext.current_compile_id
+# Tests record the in-place reuses Inductor's scheduler decides (KernelArgs.make_inplace).
+from torch._inductor.codegen.common import KernelArgs as inductor_kernel_args  # noqa: E402
+# Tests read which buffers Inductor's scheduler fused away (GraphLowering.removed_buffers).
+from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # noqa: E402
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
 

@@ -18,12 +18,20 @@ A value is *fused* when:
   ``addmm``, ``convolution`` and fallbacks such as ``_scaled_dot_product_*``
   need their inputs in memory);
 - it has a single consumer, or its inlined body reads at most
-  ``REALIZE_READS_THRESHOLD`` buffers and holds no transcendental op
-  (Inductor realizes a reused body that reads more, and on CPU one that
-  contains ``exp``, ``log``, ``tanh``, ...);
+  ``REALIZE_READS_THRESHOLD`` distinct buffers and holds no transcendental
+  op (Inductor realizes a reused body that reads more, and on CPU one that
+  contains ``exp``, ``log``, ``tanh``, ...). The body is the value and the
+  fused values it reads; for transcendental ops it also takes in producers
+  this pass counts as realized without a structural reason (Inductor may
+  inline them), which errs towards realizing;
 - its inlined body (itself and the fused values it reads) reads at most
   ``REALIZE_ACC_READS_THRESHOLD`` buffers and holds at most
   ``REALIZE_OPCOUNT_THRESHOLD`` ops (Inductor realizes larger bodies).
+
+Inductor's post-grad pattern ``add(mm(a, b), c) -> addmm(c, a, b)``
+(``torch/_inductor/fx_passes/post_grad.py``) is applied too: such an ``mm``
+never exists on its own (it is counted as fused: ``a`` and ``b`` stay alive
+until the ``add`` runs), and the ``add`` becomes an extern kernel.
 
 The solvers see this as ``RematProblem.fused``: a fused value kept for the
 backward is materialized by the forward (it is a forward output), otherwise
@@ -40,7 +48,7 @@ import torch.fx as fx
 from .._torch_compat import inductor_lowering
 from .cost import NodeCost, _hint
 
-__all__ = ["fused_nodes", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
+__all__ = ["fused_nodes", "absorbed_mm", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
 
 # torch._inductor.config.realize_reads_threshold (4 in torch 2.13): a body with
 # several users that reads more buffers than this is realized.
@@ -58,8 +66,6 @@ _POINTWISE_BODIES = frozenset({"full", "iota", "scalar_tensor", "embedding", "ga
 # Reductions Inductor generates code for (torch/_inductor/lowering.py `make_reduction`
 # and `var_mean`); they read pointwise inputs inside their own loops.
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var_mean", "var", "prod", "any", "all", "argmax", "argmin"})
-# How far back through pointwise producers a reused value's body is searched for them.
-HEAVY_DEPTH = 4
 # Ops whose presence in a reused body makes Inductor realize it on CPU
 # (StorageBox.should_realize_on_reuse's heavy_ops list).
 _HEAVY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
@@ -77,6 +83,39 @@ def _is_pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in target.tags or _op_name(node) in _POINTWISE_BODIES
 
 
+def absorbed_mm(node: fx.Node) -> fx.Node | None:
+    """The ``mm`` that Inductor folds into ``node`` when ``node`` becomes an ``addmm``, else None.
+
+    Mirrors the CPU condition of Inductor's ``addmm`` pattern (post_grad.py):
+    ``aten.add.Tensor`` (no ``alpha``) of an ``mm`` with no other user and a
+    tensor of the same dtype that broadcasts to the product's shape.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    for mm, other in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target is torch.ops.aten.mm.default):
+            continue
+        if len(mm.users) != 1 or not isinstance(other, fx.Node):
+            continue
+        vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in (other, *mm.args)]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if len(tensors) != 3 or len({v.dtype for v in tensors}) != 1:
+            continue
+        inp, a, b = tensors
+        if _expandable(tuple(inp.shape), (a.shape[0], b.shape[1])):
+            return mm
+    return None
+
+
+def _expandable(shape: tuple, target: tuple) -> bool:
+    if len(shape) > len(target):
+        return False
+    for have, want in zip(reversed(shape), reversed(target)):
+        if not (have == want or have == 1):
+            return False
+    return True
+
+
 def _in_generated_kernel(node: fx.Node) -> bool:
     """Inductor lowers ``node`` into a kernel it generates, so it can inline pointwise inputs.
 
@@ -86,7 +125,7 @@ def _in_generated_kernel(node: fx.Node) -> bool:
     ops, fallbacks) are treated as realizing their inputs, the safe answer.
     """
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or absorbed_mm(node) is not None:
         return False
     if target in inductor_lowering.fallbacks or target in inductor_lowering.needs_realized_inputs:
         return False
@@ -113,29 +152,100 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]
     """
     output = next(iter(graph.find_nodes(op="output")))
     returned = {costs[o].owner if o in costs else o for o in output.all_input_nodes}
-    fused: set[fx.Node] = set()
-    reads: dict[fx.Node, int] = {}
+    # An mm folded into an addmm: never materialized; its inputs live until the add.
+    fused: set[fx.Node] = {mm for n in graph.nodes if (mm := absorbed_mm(n)) is not None and mm not in returned}
+    # Per fused value, the buffers its inlined body reads (Inductor counts distinct reads;
+    # views of fused values and index bodies such as ``iota`` read nothing) and its op count.
+    reads: dict[fx.Node, frozenset[fx.Node]] = {}
     ops: dict[fx.Node, int] = {}
+    # A transcendental op in the body Inductor may inline: through fused values and through
+    # values this pass counts as realized without knowing that Inductor does (``sure`` stops it).
+    heavy: dict[fx.Node, bool] = {}
+    sure: set[fx.Node] = set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if not _is_pointwise(node) or costs[node].owner is not node or not costs[node].nbytes or node in returned:
             continue
+        bases = [_base(a, costs) for a in node.all_input_nodes]
+        heavy[node] = _op_name(node) in _HEAVY or any(heavy.get(b, False) and b not in sure for b in bases)
+        if absorbed_mm(node) is not None:
+            sure.add(node)
+            continue
         consumers = _consumers(node, costs)
         if consumers is None or not consumers or not all(_in_generated_kernel(c) for c in consumers):
+            sure.add(node)
             continue
-        body_reads = sum(reads[a] if a in fused else 1 for a in node.all_input_nodes)
-        body_ops = 1 + sum(ops[a] for a in node.all_input_nodes if a in fused)
-        body_heavy = _heavy_nearby(node)
-        if body_reads > REALIZE_ACC_READS_THRESHOLD or body_ops > REALIZE_OPCOUNT_THRESHOLD:
+        body = frozenset().union(*(reads.get(b, frozenset()) if b in fused else {b} for b in bases))
+        body_ops = 1 + sum(ops.get(b, 1) for b in set(bases) if b in fused)
+        if len(body) > REALIZE_ACC_READS_THRESHOLD or body_ops > REALIZE_OPCOUNT_THRESHOLD:
             continue
-        if len(consumers) > 1 and (body_heavy or body_reads > REALIZE_READS_THRESHOLD):
-            continue
-        if body_heavy and any(_numel(c) > _numel(node) for c in consumers):
+        if len(consumers) > 1 and (heavy[node] or len(body) > REALIZE_READS_THRESHOLD):
+            if not _kernel_local(node, consumers, costs, fused, order):
+                continue
+        if heavy[node] and any(_numel(c) > _numel(node) for c in consumers):
             # A transcendental body broadcast into a larger consumer (log of a softmax's
             # sum) is realized rather than recomputed per output element.
             continue
         fused.add(node)
-        reads[node], ops[node] = body_reads, body_ops
+        reads[node], ops[node] = body, body_ops
     return fused
+
+
+def _kernel_local(
+    node: fx.Node, consumers: list[fx.Node], costs: dict[fx.Node, NodeCost], fused: set[fx.Node], order: dict[fx.Node, int]
+) -> bool:
+    """A reused value whose every consumer joins one kernel with it, so its buffer is never allocated.
+
+    Inductor realizes such a value, then its scheduler fuses the value, a
+    reduction over it and the pointwise consumers that combine the two (the
+    softmax-backward shape: ``g * y - y * sum(g * y)``) into one kernel and
+    drops the buffer as kernel-local. Recognized only in that shape: at least
+    one plain reduction reads ``node`` over all of its elements, every other
+    consumer is pointwise with ``node``'s element count, and those read
+    nothing computed from ``node`` except through the reductions and
+    pointwise values, so that no other kernel has to run in between.
+    """
+    numel = _numel(node)
+    reductions = [c for c in consumers if _op_name(c) in _REDUCTIONS]
+    pointwise = [c for c in consumers if c not in reductions]
+    if any(not isinstance(r.args[0], fx.Node) or _numel(r.args[0]) != numel for r in reductions):
+        return False
+    if not reductions or not pointwise or any(not _is_pointwise(c) or _numel(c) != numel for c in pointwise):
+        return False
+    # What a pointwise consumer reads that was computed after ``node`` must be the
+    # reductions or pointwise values (which join the kernel); an extern kernel or
+    # other op on a path from ``node`` would have to run in between.
+    for consumer in pointwise:
+        stack, seen = list(consumer.all_input_nodes), set()
+        while stack:
+            value = stack.pop()
+            if value in seen or value is node or value in reductions or order[value] < order[node]:
+                continue
+            seen.add(value)
+            if _is_pointwise(value) or _is_view(value, costs):
+                stack.extend(value.all_input_nodes)
+            elif _descends_from(value, node, order):
+                return False
+    return True
+
+
+def _descends_from(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """``node`` is an ancestor of ``value`` (graph order bounds the search)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v is node:
+            return True
+        if v in seen:
+            continue
+        seen.add(v)
+        stack.extend(a for a in v.all_input_nodes if order[a] >= order[node])
+    return False
+
+
+def _base(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> fx.Node:
+    """The value a view reads (its storage owner); the node itself otherwise."""
+    return costs[node].owner if _is_view(node, costs) else node
 
 
 def _numel(node: fx.Node) -> int:
@@ -143,25 +253,6 @@ def _numel(node: fx.Node) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     return _hint(val.numel())
-
-
-def _heavy_nearby(node: fx.Node) -> bool:
-    """A transcendental op in ``node`` or its pointwise producers up to ``HEAVY_DEPTH`` steps back.
-
-    Inductor judges the inlined body, which may include producers this pass
-    counts as materialized; looking at all nearby pointwise producers errs on
-    the side of realizing.
-    """
-    frontier, seen = [node], {node}
-    for _ in range(HEAVY_DEPTH + 1):
-        nxt: list[fx.Node] = []
-        for n in frontier:
-            if _op_name(n) in _HEAVY:
-                return True
-            nxt.extend(a for a in n.all_input_nodes if a not in seen and _is_pointwise(a))
-        seen.update(nxt)
-        frontier = nxt
-    return False
 
 
 def _consumers(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> list[fx.Node] | None:

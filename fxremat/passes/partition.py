@@ -28,6 +28,7 @@ from .apply import apply_decision
 from .calibrate import calibrate_costs
 from .cost import NodeCost, annotate, get_hardware
 from .fusion import fused_nodes
+from .inplace import inplace_pairs
 from .problem import ProblemGraph, build_problem, is_tangent
 from .scratch import measure_scratch
 from .simulate import simulate
@@ -235,7 +236,8 @@ def partition(
     t1 = time.perf_counter()
     fusion = options.inner == "inductor"
     fused = fused_nodes(joint.graph, costs) if fusion else set()
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs)
+    pairs = inplace_pairs(joint.graph, costs, fused, forward=set(info.required_fw_nodes)) if fusion else []
+    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)

@@ -114,6 +114,7 @@ def build_problem(
     scratch: dict[fx.Node, int] | None = None,
     fused: set[fx.Node] | None = None,
     outputs_released: bool = False,
+    inplace: list[tuple[fx.Node, fx.Node]] | None = None,
 ) -> ProblemGraph:
     """Build the plain problem for a joint graph.
 
@@ -125,6 +126,8 @@ def build_problem(
         scratch: the scratch pass's table (bytes an op allocates inside itself).
         fused: nodes the inner compiler computes inside their consumers (``passes/fusion.py``).
         outputs_released: the caller drops the forward's outputs before the backward.
+        inplace: (writer, buffer) node pairs where the writer may reuse a dying buffer
+            (``passes/inplace.py``).
 
     Returns:
         The problem and the fx node behind each id.
@@ -188,5 +191,16 @@ def build_problem(
         scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
         fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
         outputs_released=outputs_released,
+        inplace=_inplace_ids(inplace or (), ids, storage, nbytes),
     )
     return ProblemGraph(problem, tuple(nodes))
+
+
+def _inplace_ids(pairs, ids: dict, storage, nbytes) -> tuple[tuple[int, int], ...]:
+    """In-place node pairs as problem ids: both owning a storage of bytes, the buffer first."""
+    out = set()
+    for writer, buffer in pairs:
+        w, b = ids.get(writer), ids.get(buffer)
+        if w is not None and b is not None and b < w and storage[w] == w and storage[b] == b and nbytes[b]:
+            out.add((w, b))
+    return tuple(sorted(out))

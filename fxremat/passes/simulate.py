@@ -17,6 +17,7 @@ from ..solvers.schedule import Timeline, liveness
 from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import Hardware, annotate
 from .fusion import fused_nodes
+from .inplace import inplace_pairs
 from .problem import is_tangent
 
 __all__ = ["Simulation", "simulate"]
@@ -65,7 +66,8 @@ def simulate(
         hardware: cost profile (only bytes matter here).
         scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
         fusion: model Inductor's fusion (``passes/fusion.py``): pointwise values
-            inlined into their consumers allocate nothing.
+            inlined into their consumers allocate nothing, and kernels that
+            write into a dying input allocate nothing (``passes/inplace.py``).
         outputs_released: the caller drops the user outputs before the backward.
 
     Returns:
@@ -108,8 +110,12 @@ def simulate(
     tangents = tuple(ids[n] for n in bw_nodes if is_tangent(n))
     n = len(names)
     fused: set[fx.Node] = set()
+    pairs: list[tuple[fx.Node, fx.Node]] = []
     if fusion:
-        fused = fused_nodes(fw.graph, fw_costs) | fused_nodes(bw.graph, bw_costs)
+        fw_fused, bw_fused = fused_nodes(fw.graph, fw_costs), fused_nodes(bw.graph, bw_costs)
+        fused = fw_fused | bw_fused
+        saved = {p for p in bw.graph.find_nodes(op="placeholder") if not is_tangent(p)}
+        pairs = inplace_pairs(fw.graph, fw_costs, fw_fused) + inplace_pairs(bw.graph, bw_costs, bw_fused, saved=saved)
     scratch_by_name = scratch_by_name or {}
     problem = RematProblem(
         names=tuple(names), phase=tuple(phase), inputs=tuple(inputs), nbytes=tuple(nbytes),
@@ -118,6 +124,8 @@ def simulate(
         scratch=tuple(scratch_by_name.get(name, 0) for name in names),
         fused=tuple(sorted(ids[f] for f in fused if f in ids and storage[ids[f]] == ids[f])),
         outputs_released=outputs_released,
+        inplace=tuple(sorted({(ids[w], ids[b]) for w, b in pairs if w in ids and b in ids and ids[b] < ids[w]
+                              and storage[ids[w]] == ids[w] and storage[ids[b]] == ids[b] and nbytes[ids[b]]})),
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 
