@@ -212,6 +212,10 @@ def _kernel_local(
         return False
     if not reductions or not pointwise or any(not _is_pointwise(c) or _numel(c) != numel for c in pointwise):
         return False
+    # A consumer that may write its output into this buffer in place keeps it allocated
+    # (Inductor takes the first dying input it reads; which one comes first is not known here).
+    if any(_dtype(c) == _dtype(node) for c in pointwise):
+        return False
     # What a pointwise consumer reads that was computed after ``node`` must be the
     # reductions or pointwise values (which join the kernel); an extern kernel or
     # other op on a path from ``node`` would have to run in between.
@@ -241,6 +245,11 @@ def _descends_from(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> 
         seen.add(v)
         stack.extend(a for a in v.all_input_nodes if order[a] >= order[node])
     return False
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _base(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> fx.Node:
