@@ -162,7 +162,6 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]
     # values this pass counts as realized without knowing that Inductor does (``sure`` stops it).
     heavy: dict[fx.Node, bool] = {}
     sure: set[fx.Node] = set()
-    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if not _is_pointwise(node) or costs[node].owner is not node or not costs[node].nbytes or node in returned:
             continue
@@ -180,8 +179,7 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]
         if len(body) > REALIZE_ACC_READS_THRESHOLD or body_ops > REALIZE_OPCOUNT_THRESHOLD:
             continue
         if len(consumers) > 1 and (heavy[node] or len(body) > REALIZE_READS_THRESHOLD):
-            if not _kernel_local(node, consumers, costs, fused, order):
-                continue
+            continue
         if heavy[node] and any(_numel(c) > _numel(node) for c in consumers):
             # A transcendental body broadcast into a larger consumer (log of a softmax's
             # sum) is realized rather than recomputed per output element.
@@ -189,67 +187,6 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]
         fused.add(node)
         reads[node], ops[node] = body, body_ops
     return fused
-
-
-def _kernel_local(
-    node: fx.Node, consumers: list[fx.Node], costs: dict[fx.Node, NodeCost], fused: set[fx.Node], order: dict[fx.Node, int]
-) -> bool:
-    """A reused value whose every consumer joins one kernel with it, so its buffer is never allocated.
-
-    Inductor realizes such a value, then its scheduler fuses the value, a
-    reduction over it and the pointwise consumers that combine the two (the
-    softmax-backward shape: ``g * y - y * sum(g * y)``) into one kernel and
-    drops the buffer as kernel-local. Recognized only in that shape: at least
-    one plain reduction reads ``node`` over all of its elements, every other
-    consumer is pointwise with ``node``'s element count, and those read
-    nothing computed from ``node`` except through the reductions and
-    pointwise values, so that no other kernel has to run in between.
-    """
-    numel = _numel(node)
-    reductions = [c for c in consumers if _op_name(c) in _REDUCTIONS]
-    pointwise = [c for c in consumers if c not in reductions]
-    if any(not isinstance(r.args[0], fx.Node) or _numel(r.args[0]) != numel for r in reductions):
-        return False
-    if not reductions or not pointwise or any(not _is_pointwise(c) or _numel(c) != numel for c in pointwise):
-        return False
-    # A consumer that may write its output into this buffer in place keeps it allocated
-    # (Inductor takes the first dying input it reads; which one comes first is not known here).
-    if any(_dtype(c) == _dtype(node) for c in pointwise):
-        return False
-    # What a pointwise consumer reads that was computed after ``node`` must be the
-    # reductions or pointwise values (which join the kernel); an extern kernel or
-    # other op on a path from ``node`` would have to run in between.
-    for consumer in pointwise:
-        stack, seen = list(consumer.all_input_nodes), set()
-        while stack:
-            value = stack.pop()
-            if value in seen or value is node or value in reductions or order[value] < order[node]:
-                continue
-            seen.add(value)
-            if _is_pointwise(value) or _is_view(value, costs):
-                stack.extend(value.all_input_nodes)
-            elif _descends_from(value, node, order):
-                return False
-    return True
-
-
-def _descends_from(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """``node`` is an ancestor of ``value`` (graph order bounds the search)."""
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if v is node:
-            return True
-        if v in seen:
-            continue
-        seen.add(v)
-        stack.extend(a for a in v.all_input_nodes if order[a] >= order[node])
-    return False
-
-
-def _dtype(node: fx.Node) -> torch.dtype | None:
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _base(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> fx.Node:
