@@ -139,12 +139,17 @@ def _op_name(node: fx.Node) -> str:
     return getattr(getattr(target, "overloadpacket", None), "__name__", str(target))
 
 
-def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]:
+def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx.Node] | None = None) -> set[fx.Node]:
     """Values of ``graph`` that Inductor computes inside their consumers' kernels.
 
     Args:
         graph: a forward, backward or joint graph in AOTAutograd's aten IR.
         costs: the cost pass's table (``owner`` and ``nbytes`` per node).
+        forward: for a joint graph, its forward nodes. A backward body then
+            counts each forward value it reads as a buffer read: in the
+            backward program that value is a saved input (a constant the
+            forward fills, for one, reads nothing in the joint graph but is a
+            buffer in the backward that Inductor compiles).
 
     Returns:
         The fused nodes. Their consumers, for a joint graph, are consumers in
@@ -174,8 +179,10 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost]) -> set[fx.Node]
         if consumers is None or not consumers or not all(_in_generated_kernel(c) for c in consumers):
             sure.add(node)
             continue
-        body = frozenset().union(*(reads.get(b, frozenset()) if b in fused else {b} for b in bases))
-        body_ops = 1 + sum(ops.get(b, 1) for b in set(bases) if b in fused)
+        # Forward values a backward node reads are saved inputs of the backward program.
+        inlined = [b for b in bases if b in fused and (forward is None or node in forward or b not in forward)]
+        body = frozenset().union(*(reads.get(b, frozenset()) if b in inlined else {b} for b in bases))
+        body_ops = 1 + sum(ops.get(b, 1) for b in set(inlined))
         if len(body) > REALIZE_ACC_READS_THRESHOLD or body_ops > REALIZE_OPCOUNT_THRESHOLD:
             continue
         if len(consumers) > 1 and (heavy[node] or len(body) > REALIZE_READS_THRESHOLD):

@@ -235,8 +235,9 @@ def partition(
     timings["scratch"] = time.perf_counter() - t1
     t1 = time.perf_counter()
     fusion = options.inner == "inductor"
-    fused = fused_nodes(joint.graph, costs) if fusion else set()
-    pairs = inplace_pairs(joint.graph, costs, fused, forward=set(info.required_fw_nodes)) if fusion else []
+    forward = set(info.required_fw_nodes)
+    fused = fused_nodes(joint.graph, costs, forward) if fusion else set()
+    pairs = inplace_pairs(joint.graph, costs, fused, forward) if fusion else []
     pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
