@@ -89,6 +89,7 @@ class Workload:
     loss: Callable[[object], object]  # compiled-or-not module -> scalar loss
     enable_checkpointing: Callable[[], None]
     description: str
+    inputs: tuple = ()  # what ``model`` takes (HF workloads: the token ids), for fxremat.explain
 
 
 def _hf_workload(model, ids, description: str) -> Workload:
@@ -112,7 +113,7 @@ def _hf_workload(model, ids, description: str) -> Workload:
     def ckpt():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    return Workload(LossOf(model), loss, ckpt, description)
+    return Workload(LossOf(model), loss, ckpt, description, (ids,))
 
 
 def _size(quick: bool, full: dict, small: dict) -> dict:
