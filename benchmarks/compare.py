@@ -202,7 +202,7 @@ def build_mlp(quick: bool) -> Workload:
     x = torch.randn(s["batch"], s["width"])
     y = torch.randn(s["batch"], s["width"])
     return Workload(model, lambda m: m(x, y), lambda: setattr(model, "checkpoint", True),
-                    "chain of {depth} x (Linear {width}x{width} + GELU), batch {batch}, MSE loss".format(**s))
+                    "chain of {depth} x (Linear {width}x{width} + GELU), batch {batch}, MSE loss".format(**s), (x, y))
 
 
 def build_cnn(quick: bool) -> Workload:
@@ -255,7 +255,7 @@ def build_cnn(quick: bool) -> Workload:
     return Workload(model, lambda m: m(x, y), lambda: setattr(model, "checkpoint", True),
                     "ResNet-style, {n} stages x 2 residual blocks (conv3x3-BN-ReLU), widths {widths}, "
                     "{image}x{image} images, batch {batch}, BatchNorm in training mode".format(
-                        n=len(s["widths"]), **s))
+                        n=len(s["widths"]), **s), (x, y))
 
 
 MODELS = {"gpt2": build_gpt2, "llama": build_llama, "mlp": build_mlp, "cnn": build_cnn, "bert": build_bert}
