@@ -72,13 +72,6 @@ def inplace_pairs(
         >>> pairs = inplace_pairs(bw.graph, annotate(bw, hw), fused_nodes(bw.graph, costs))  # doctest: +SKIP
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
-    ancestors: dict[fx.Node, set[fx.Node]] = {}
-    for node in graph.nodes:
-        seen: set[fx.Node] = set()
-        for a in node.all_input_nodes:
-            seen.add(a)
-            seen |= ancestors[a]
-        ancestors[node] = seen
 
     def program(n: fx.Node) -> bool:
         return forward is None or n in forward
@@ -95,9 +88,23 @@ def inplace_pairs(
                 continue
             side = program(writer)
             readers = [k for k in _reading_kernels(buffer, costs, fused) if program(k) == side]
-            if all(k is writer or k in ancestors[writer] for k in readers):
+            if all(k is writer or _is_ancestor(k, writer, order) for k in readers):
                 pairs.append((writer, buffer))
     return sorted(pairs, key=lambda p: (order[p[0]], order[p[1]]))
+
+
+def _is_ancestor(node: fx.Node, of: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """``node`` is an input of ``of``, directly or transitively (nodes before ``node`` are not searched)."""
+    stack, seen = list(of.all_input_nodes), set()
+    while stack:
+        v = stack.pop()
+        if v is node:
+            return True
+        if v in seen or order[v] < order[node]:
+            continue
+        seen.add(v)
+        stack.extend(v.all_input_nodes)
+    return False
 
 
 def _writes_in_place_capable_kernel(node: fx.Node, costs: dict[fx.Node, NodeCost], fused: set[fx.Node]) -> bool:
