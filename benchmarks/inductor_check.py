@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     else:
         import compare
 
-        workload = getattr(compare, "build_" + args.model)(args.quick)
+        workload = compare.MODELS[args.model](args.quick)
         model, run = workload.model, workload.loss
     budget = {"none": None, "least": 1}.get(args.budget)
     if budget is None and args.budget != "none":

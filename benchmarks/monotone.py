@@ -33,7 +33,7 @@ def budgets(name: str) -> list[int]:
     import fxremat
 
     torch.manual_seed(0)
-    workload = getattr(compare, "build_" + name)(False)
+    workload = compare.MODELS[name](False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fastest = fxremat.explain(workload.model, *workload.inputs, release_outputs=True).predicted_peak

@@ -38,7 +38,7 @@ def curve(name: str) -> list[dict]:
     from fxremat.solvers import solve
 
     torch.manual_seed(0)
-    workload = getattr(compare, "build_" + name)(False)
+    workload = compare.MODELS[name](False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fastest = fxremat.explain(workload.model, *workload.inputs, release_outputs=True)
