@@ -238,7 +238,7 @@ def partition(
     forward = set(info.required_fw_nodes)
     fused = fused_nodes(joint.graph, costs, forward) if fusion else set()
     pairs = inplace_pairs(joint.graph, costs, fused, forward) if fusion else []
-    pg = build_problem(joint, set(info.required_fw_nodes), costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
+    pg = build_problem(joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
     timings["problem"] = time.perf_counter() - t1
     problem = pg.problem
     solve_options = SolveOptions(time_limit=options.time_limit)

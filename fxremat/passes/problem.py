@@ -18,7 +18,7 @@ from .._torch_compat import is_sym_node
 from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import NodeCost
 
-__all__ = ["ProblemGraph", "build_problem", "is_tangent", "never_recompute_reason"]
+__all__ = ["ProblemGraph", "build_problem", "inplace_ids", "is_tangent", "never_recompute_reason"]
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,12 @@ def build_problem(
         scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
         fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
         outputs_released=outputs_released,
-        inplace=_inplace_ids(inplace or (), ids, storage, nbytes),
+        inplace=inplace_ids(inplace or (), ids, storage, nbytes),
     )
     return ProblemGraph(problem, tuple(nodes))
 
 
-def _inplace_ids(pairs, ids: dict, storage, nbytes) -> tuple[tuple[int, int], ...]:
+def inplace_ids(pairs, ids: dict, storage, nbytes) -> tuple[tuple[int, int], ...]:
     """In-place node pairs as problem ids: both owning a storage of bytes, the buffer first."""
     out = set()
     for writer, buffer in pairs:

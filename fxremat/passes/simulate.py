@@ -18,7 +18,7 @@ from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import Hardware, annotate
 from .fusion import fused_nodes
 from .inplace import inplace_pairs
-from .problem import is_tangent
+from .problem import inplace_ids, is_tangent
 
 __all__ = ["Simulation", "simulate"]
 
@@ -124,8 +124,7 @@ def simulate(
         scratch=tuple(scratch_by_name.get(name, 0) for name in names),
         fused=tuple(sorted(ids[f] for f in fused if f in ids and storage[ids[f]] == ids[f])),
         outputs_released=outputs_released,
-        inplace=tuple(sorted({(ids[w], ids[b]) for w, b in pairs if w in ids and b in ids and ids[b] < ids[w]
-                              and storage[ids[w]] == ids[w] and storage[ids[b]] == ids[b] and nbytes[ids[b]]})),
+        inplace=inplace_ids(pairs, ids, storage, nbytes),
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, n)), kept)
 
