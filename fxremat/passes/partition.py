@@ -29,6 +29,7 @@ from .calibrate import calibrate_costs
 from .cost import NodeCost, annotate, get_hardware
 from .fusion import fused_nodes
 from .inplace import inplace_pairs
+from .invariants import check_saved_aliases
 from .problem import ProblemGraph, build_problem, is_tangent
 from .scratch import measure_scratch
 from .simulate import simulate
@@ -244,6 +245,16 @@ def partition(
     solve_options = SolveOptions(time_limit=options.time_limit)
     graph_name = next_graph_name()
 
+    def lower(chosen: Decision):
+        """The programs that will run for ``chosen``, checked, and their simulated memory."""
+        fw, bw = apply_decision(
+            joint, _saved_nodes(pg, chosen), num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
+        )
+        check_saved_aliases(fw, bw, num_fwd_outputs)
+        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion, outputs_released=options.release_outputs)
+        return fw, bw, sim
+
     t2 = time.perf_counter()
     fastest = solve(problem, None, "save_all", solve_options)
     target = options.budget
@@ -256,11 +267,7 @@ def partition(
         decision = solve(problem, target, options.solver, solve_options)
         if not decision.feasible:
             break
-        fw, bw = apply_decision(
-            joint, _saved_nodes(pg, decision), num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
-        )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion, outputs_released=options.release_outputs)
+        fw, bw, sim = lower(decision)
         peak = _with_allowance(sim.peak, fusion)
         if options.budget is None or peak <= options.budget:
             break
@@ -277,11 +284,7 @@ def partition(
         # The least-memory search gets at least LEAST_SEARCH_SECONDS: a BudgetError must name a
         # least peak that is really the least fxremat can reach, not a time-starved guess.
         least = solve(problem, 1, options.solver, SolveOptions(time_limit=max(options.time_limit, LEAST_SEARCH_SECONDS)))
-        fw, bw = apply_decision(
-            joint, _saved_nodes(pg, least), num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_nodes=info.static_lifetime_input_nodes, recomputes_rng=recomputes_rng,
-        )
-        sim = simulate(fw, bw, num_fwd_outputs, hardware, scratch_by_name, fusion=fusion, outputs_released=options.release_outputs)
+        fw, bw, sim = lower(least)
         decision = least
         least_peak = _with_allowance(sim.peak, fusion)
         fits = least_peak <= options.budget  # the least-memory plan may still fit a budget at its edge

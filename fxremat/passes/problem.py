@@ -166,7 +166,9 @@ def build_problem(
         policy = n.meta.get("recompute")
         parent = n.args[0] if n.target is operator.getitem else None
         if is_sym_node(n) or policy == CheckpointPolicy.MUST_SAVE:
-            must_save.append(i)
+            # A view is saved through its storage (one saved value per storage: schedule.close).
+            owner_id = storage[i]
+            must_save.append(owner_id if phase[owner_id] == FORWARD else i)
         if is_sym_node(n) or never_recompute_reason(n) is not None or (parent is not None and ids.get(parent) in never_set):
             never.append(i)
             never_set.add(i)
@@ -184,7 +186,7 @@ def build_problem(
         fw_outputs=tuple(fw_outputs),
         bw_outputs=tuple(bw_outputs),
         tangents=tuple(ids[n] for n in nodes if is_tangent(n)),
-        must_save=tuple(must_save),
+        must_save=tuple(sorted(set(must_save))),
         never_recompute=tuple(never),
         must_recompute=tuple(must_recompute),
         layer=tuple(layer),

@@ -10,6 +10,7 @@ value (one the backward reads, or an ancestor of one):
   kept or recomputed only when needed, so a solution is exactly a closed plan
   (``schedule.close`` of its kept set) and a no-good cut on ``s`` removes
   exactly one plan;
+- at most one kept value per storage (``schedule.one_per_storage``);
 - ``r_v = 0`` for ``never_recompute``/``must_save`` values (and forward
   outputs, which the user holds anyway); ``s_v = 0`` for ``must_recompute``.
 
@@ -342,6 +343,11 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
             prog.row([(prog.s(v), 1.0), (prog.r(v), 1.0)], 0.0, 1.0)
         if v in facts.storage_of:
             prog.row([(storage_var[facts.storage_of[v]], 1.0), (prog.s(v), -1.0)], 0.0, float("inf"))
+    # At most one value per storage is kept (``schedule.one_per_storage``), unless several
+    # aliases cannot be recomputed: then ``close`` keeps them all, and so may the program.
+    for members in schedule.alias_groups(problem, rule.relevant).values():
+        if len(members) > 1 and sum(v in rule.no_recompute for v in members) <= 1:
+            prog.row([(prog.s(v), 1.0) for v in members], -float("inf"), 1.0)
     if budget is not None:
         prog.memory_row = prog.row([(c, b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)], -float("inf"), float("inf"))
         # Cheap rows at every backward node that reads a forward value: owners only

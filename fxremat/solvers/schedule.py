@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .types import BACKWARD, FORWARD, Decision, RematProblem
 
-__all__ = ["bw_reads", "close", "programs", "virtual", "reads", "liveness", "Timeline", "evaluate", "decision"]
+__all__ = ["bw_reads", "close", "one_per_storage", "alias_groups", "programs", "virtual", "reads", "liveness", "Timeline", "evaluate", "decision"]
 
 
 def bw_reads(problem: RematProblem) -> tuple[int, ...]:
@@ -32,10 +32,74 @@ def close(problem: RematProblem, kept: set[int] | tuple[int, ...]) -> tuple[tupl
     values that the backward does not need are dropped (they would cost memory
     for nothing).
 
+    At most one value per storage is kept (see ``one_per_storage``): the
+    other aliases of a kept storage are recomputed as views of it.
+
     Returns:
         (kept, recomputed), both sorted tuples of forward ids.
     """
     kept_set = set(kept) | set(problem.must_save)
+    # Each round replaces a group of aliases by one value; a few rounds settle it.
+    for _ in range(problem.size + 1):
+        needed_kept, recomputed = _close(problem, kept_set)
+        canonical = one_per_storage(problem, needed_kept)
+        if canonical == needed_kept:
+            break
+        kept_set = canonical
+    return tuple(sorted(needed_kept)), tuple(sorted(recomputed))
+
+
+def one_per_storage(problem: RematProblem, kept: set[int]) -> set[int]:
+    """Replace aliases kept together by the storage they share.
+
+    Two saved values that share a storage (a value and a view of it, or two
+    views of one tensor) break the backward: AOTAutograd donates every saved
+    tensor whose storage no input or output shares, and Inductor may write a
+    kernel's output into a donated buffer at what it sees as the buffer's last
+    use, while a later read of the other alias, a separate input to it, sees
+    the overwritten memory (a silent wrong gradient). Keeping one value per
+    storage and recomputing the other aliases as views inside the backward lets
+    the compiler see the aliasing. The alias kept is one that cannot be
+    recomputed (``never_recompute``, ``must_save``) if there is one, else the storage's owner
+    when it may be kept, else the earliest alias. Two aliases that both cannot
+    be recomputed stay kept; ``passes/invariants.py`` rejects such a plan when
+    the storage is donated.
+    """
+    groups = alias_groups(problem, kept)
+    if all(len(g) == 1 for g in groups.values()):
+        return kept
+    no_recompute = set(problem.never_recompute) | set(problem.must_save)
+    may_keep = set(range(problem.size)) - set(problem.must_recompute)
+    out = set(kept)
+    for owner, members in groups.items():
+        if len(members) == 1:
+            continue
+        forced = [v for v in members if v in no_recompute]
+        if forced:
+            keep = forced[0]
+        else:
+            keep = owner if problem.phase[owner] == FORWARD and owner in may_keep else members[0]
+        out.difference_update(v for v in members if v not in no_recompute)
+        out.add(keep)
+    return out
+
+
+def alias_groups(problem: RematProblem, values) -> dict[int, list[int]]:
+    """``values`` by the storage they live in, leaving out storages a user output holds.
+
+    Saved values that share a user output's storage are never donated to the
+    backward (the user holds that memory), so they may stay kept together.
+    """
+    held = {problem.storage[o] for o in problem.fw_outputs}
+    groups: dict[int, list[int]] = {}
+    for v in sorted(values):
+        if problem.storage[v] not in held:
+            groups.setdefault(problem.storage[v], []).append(v)
+    return groups
+
+
+def _close(problem: RematProblem, kept_set: set[int]) -> tuple[set[int], set[int]]:
+    """``close`` without the one-value-per-storage rule."""
     no_recompute = set(problem.never_recompute)
     needed_kept: set[int] = set()
     recomputed: set[int] = set()
@@ -49,7 +113,7 @@ def close(problem: RematProblem, kept: set[int] | tuple[int, ...]) -> tuple[tupl
             continue
         recomputed.add(v)
         stack.extend(u for u in problem.inputs[v] if problem.phase[u] == FORWARD)
-    return tuple(sorted(needed_kept)), tuple(sorted(recomputed))
+    return needed_kept, recomputed
 
 
 def _ancestors_within(problem: RematProblem, roots, allowed) -> set[int]:

@@ -38,7 +38,8 @@ class RematProblem:
         tangents: backward ids that are gradient inputs, allocated when the
             backward starts.
         must_save: forward ids that must be kept if the backward needs them
-            (user ``MUST_SAVE`` tags, outputs of effectful ops).
+            (user ``MUST_SAVE`` tags, outputs of effectful ops). A tagged view
+            is saved through its storage: its owner is listed instead.
         never_recompute: forward ids that cannot run twice (random ops without
             RNG replay, mutations, effectful and collective ops).
         must_recompute: forward ids that may not be kept (user ``MUST_RECOMPUTE``).
