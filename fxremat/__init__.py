@@ -17,6 +17,7 @@ from .budget import BudgetError, format_bytes, parse_budget
 from .measure import Measurement, measure
 from .options import Options
 from .plan import Plan, clear_plans, plans
+from .verify import VerificationError
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "pareto",
     "ParetoPoint",
     "BudgetError",
+    "VerificationError",
     "Options",
     "Plan",
     "plans",

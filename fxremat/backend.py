@@ -8,6 +8,7 @@ backend with options bound, for code that prefers a callable.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -30,6 +31,8 @@ from ._torch_compat import (
 from .budget import BudgetError
 from .options import Options
 from .passes.partition import partition
+from .plan import plans
+from .verify import input_names, verified
 
 __all__ = ["backend", "fxremat_backend", "FxrematPartitioner"]
 
@@ -98,6 +101,30 @@ def _eager_compiler(gm: fx.GraphModule, example_inputs) -> Callable:
 def _compile(gm: fx.GraphModule, example_inputs, options: Options):
     if not torch_version_ok():
         warnings.warn(f"fxremat is tested with torch >=2.13,<2.15; this is torch {torch.__version__}", stacklevel=2)
+    if not options.verify:
+        return _compile_planned(gm, example_inputs, options)
+    # The reference gets its own copy: compiling may rewrite the graph in place.
+    reference_gm = copy.deepcopy(gm)
+    names = input_names(gm)
+    count = len(plans())
+    compiled = _compile_planned(gm, example_inputs, options)
+    where = plans()[-1].graph if len(plans()) > count else "a graph with no backward"
+    return verified(compiled, _compile_reference(reference_gm, example_inputs, options), names, where)
+
+
+def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):
+    """The same graph through the same inner compiler with PyTorch's own (min-cut) partition."""
+    if options.inner == "eager":
+        return aot_autograd(
+            fw_compiler=_eager_compiler,
+            bw_compiler=_eager_compiler,
+            partition_fn=partitioners.min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+    return compile_fx.compile_fx(gm, example_inputs)
+
+
+def _compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
     partitioner = FxrematPartitioner(options)
     if options.inner == "eager":
         inner = aot_autograd(

@@ -10,12 +10,13 @@ from typing import Literal
 from .budget import budget_from_env, parse_budget
 from .passes.cost import HARDWARE
 
-__all__ = ["Options", "INNERS", "ON_INFEASIBLE", "ON_ERROR", "ENV_DUMP_DIR"]
+__all__ = ["Options", "INNERS", "ON_INFEASIBLE", "ON_ERROR", "ENV_DUMP_DIR", "ENV_VERIFY"]
 
 INNERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "min")
 ON_ERROR = ("raise", "fallback")
 ENV_DUMP_DIR = "FXREMAT_DUMP_DIR"
+ENV_VERIFY = "FXREMAT_VERIFY"
 
 
 def _solver_names() -> tuple[str, ...]:
@@ -62,6 +63,11 @@ class Options:
     backward starts. Off (default), outputs count as alive to the step's end; turn it on
     only when nothing holds them through backward, or the step can exceed the budget by
     their size."""
+    verify: bool = False
+    """On each graph's first call, also run PyTorch's own partition of the graph on copies of
+    the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
+    (``FXREMAT_VERIFY=1`` turns it on too). Costs one more compile per graph and two extra
+    steps with a copy of the inputs on the first call; nothing afterwards."""
 
     @classmethod
     def from_mapping(cls, mapping: dict | None = None) -> "Options":
@@ -110,8 +116,11 @@ class Options:
         release_outputs = mapping.get("release_outputs", False)
         if not isinstance(release_outputs, bool):
             raise TypeError(f"release_outputs={release_outputs!r} must be True or False")
+        verify = mapping.get("verify", os.environ.get(ENV_VERIFY, "0") not in ("", "0"))
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify={verify!r} must be True or False")
         return cls(
-            measure_scratch=measure_scratch, calibrate=calibrate, release_outputs=release_outputs,
+            verify=verify, measure_scratch=measure_scratch, calibrate=calibrate, release_outputs=release_outputs,
             budget=budget, inner=inner, solver=solver, hardware=hardware, on_infeasible=on_infeasible,
             on_error=on_error, time_limit=float(time_limit), dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         )
@@ -120,6 +129,7 @@ class Options:
         """A stable string of every option that changes the plan (for cache keys)."""
         plan_fields = asdict(self)
         plan_fields.pop("dump_dir")
+        plan_fields.pop("verify")
         return json.dumps(plan_fields, sort_keys=True)
 
 

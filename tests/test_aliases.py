@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxremat
+from checks import compare  # noqa: E402
 from fxremat.passes.invariants import PlanInvariantError, check_saved_aliases
 from fxremat.solvers import SOLVERS, schedule, solve
 from fxremat.solvers.types import BACKWARD, FORWARD, RematProblem, SolveOptions
@@ -222,3 +223,68 @@ class _nothing:
     def __exit__(self, *exc):
         return False
 
+
+# --------------------------------------------------------------------------
+# verify: the opt-in self-check catches this class when the guard is off
+# --------------------------------------------------------------------------
+
+
+def test_verify_passes_a_correct_plan():
+    torch.manual_seed(0)
+    _grads_match_eager(ViewAndBase(), torch.randn(4, 8, 16), verify=True)
+
+
+@pytest.mark.parametrize("name,inner", [("dropout", "eager"), ("inplace_views", "eager"), ("dropout", "inductor")])
+def test_verify_replays_randomness_and_leaves_the_step_alone(name, inner):
+    """Dropout masks are drawn under the same RNG state in both checked runs and again in the
+    real step, and in-place ops mutate only the checked copies: the step equals the same
+    compile without verify (Inductor draws its own masks, so eager is the reference only
+    under inner="eager")."""
+    from zoo import ZOO
+
+    base, inputs = ZOO[name]()
+    base.train()
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    if inner == "eager":
+        torch.manual_seed(0)
+        ref_loss = ref(*inputs)
+    else:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        ref_loss = torch.compile(ref, backend="fxremat")(*inputs)
+    ref_loss.backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxremat", options={"verify": True, "inner": inner})
+    torch.manual_seed(0)
+    loss = compiled(*inputs)
+    loss.backward()
+    compare(ref, ref_loss, model, loss)
+
+
+def test_verify_names_the_wrong_gradient(monkeypatch):
+    """With the one-value-per-storage rule and the program check switched off, the bug
+    is back and verify stops the step before it runs, naming the parameter."""
+    from fxremat.passes import partition as planner
+
+    monkeypatch.setattr(schedule, "one_per_storage", lambda problem, kept: kept)
+    monkeypatch.setattr(schedule, "alias_groups", lambda problem, values: {})
+    monkeypatch.setattr(planner, "check_saved_aliases", lambda fw, bw, n: None)
+    torch.manual_seed(0)
+    model = ViewAndBase()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxremat", options={"verify": True})
+    with pytest.raises(fxremat.VerificationError, match=r"gradient of w2 differs"):
+        compiled(torch.randn(4, 8, 16))
+    assert all(p.grad is None for p in model.parameters())  # nothing ran for real
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_verify_is_validated_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(TypeError, match="verify='yes' must be True or False"):
+        fxremat.Options.from_mapping({"verify": "yes"})
+    monkeypatch.setenv("FXREMAT_VERIFY", "1")
+    assert fxremat.Options.from_mapping({}).verify
+    assert not fxremat.Options.from_mapping({"verify": False}).verify
+    monkeypatch.setenv("FXREMAT_VERIFY", "0")
+    assert not fxremat.Options.from_mapping({}).verify
