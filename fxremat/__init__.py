@@ -12,11 +12,12 @@ Example:
 """
 
 from .backend import backend
-from .capture import ParetoPoint, explain, pareto
+from .explain import ParetoPoint, explain, pareto
 from .budget import BudgetError, format_bytes, parse_budget
 from .measure import Measurement, measure
 from .options import Options
-from .plan import Plan, clear_plans, plans
+from .plan import Plan
+from .recorder import clear_plans, plans
 from .verify import VerificationError
 
 __version__ = "0.1.0"

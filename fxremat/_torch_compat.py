@@ -1,7 +1,9 @@
-"""Every private torch import fxremat uses, each with the reason it is needed.
+"""Every private torch access fxremat makes, each with the reason it is needed.
 
-Supported torch: >=2.13,<2.15 (tested on 2.13.0). When torch moves one of
-these names, this is the only file to change.
+Supported torch: ``SUPPORTED_TORCH`` below (tested on 2.13.0); pyproject.toml
+pins the same range. When torch moves one of these names, this is the only
+file to change, and no other module may touch a private torch name (a test
+checks it).
 """
 
 from __future__ import annotations
@@ -10,18 +12,19 @@ import torch
 
 __all__ = [
     "SUPPORTED_TORCH",
+    "torch_version_ok",
     "aot_autograd",
-    "make_boxed_func",
-    "CustomPartitionerFn",
-    "inductor_config",
-    "functorch_config",
     "compile_fx",
-    "partitioners",
+    "CustomPartitionerFn",
+    "functorch_config",
+    "inductor_config",
+    "no_autograd_cache",
+    "prepare_joint",
+    "classify_nodes",
+    "default_partition",
+    "min_cut_partition",
+    "extract_programs",
     "is_sym_node",
-    "raise_getitems",
-    "fx_graph_cse",
-    "MemoryProfile",
-    "Action",
     "EventType",
     "FakeTensorMode",
     "FakeTensor",
@@ -29,20 +32,20 @@ __all__ = [
     "ShortenTraceback",
     "disable_current_modes",
     "inductor_lowering",
-    "current_compile_id",
+    "current_frame_id",
     "inductor_kernel_args",
     "inductor_graph_lowering",
+    "tree_leaves",
 ]
 
-SUPPORTED_TORCH = (">=2.13", "<2.15")
+# The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
+SUPPORTED_TORCH = ((2, 13), (2, 15))
 
 # AOTAutograd: traces the joint forward+backward graph and calls our partitioner.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-# Boxed calling convention lets the runtime free inputs (saved tensors) early.
-from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 # The hook through which Inductor calls a custom partitioner (uuid keys its cache).
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
-# Inductor's config holds `custom_partitioner_fn`, patched per compile.
+# Inductor's config: tests patch its post-fusion hook to compare buffers with the plan.
 from torch._inductor import config as inductor_config  # noqa: E402
 # functorch's config: `activation_memory_budget` for the reference benchmarks, `cse`.
 from torch._functorch import config as functorch_config  # noqa: E402
@@ -50,13 +53,12 @@ from torch._functorch import config as functorch_config  # noqa: E402
 from torch._inductor import compile_fx  # noqa: E402
 # PyTorch's own partitioner: joint-graph classification, fw/bw extraction, RNG
 # functionalization and tag handling we reuse instead of re-deriving edge cases.
-from torch._functorch import partitioners  # noqa: E402
+from torch._functorch import partitioners as _partitioners  # noqa: E402
 # Symbolic-int nodes in fx graphs (sizes under dynamic shapes) are saved, not decided.
 from torch.fx.experimental.proxy_tensor import is_sym_node  # noqa: E402
-# Moves getitem nodes next to their producer, as the stock partitioner does.
-from torch._functorch.compile_utils import fx_graph_cse, raise_getitems  # noqa: E402
-# CPU memory measurement: the profiler's allocation timeline.
-from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
+# CSE as the stock partitioner runs it; getitems moved next to their producer.
+from torch._functorch.compile_utils import fx_graph_cse as _fx_graph_cse, raise_getitems as _raise_getitems  # noqa: E402
+# CPU memory measurement: the profiler's allocation events.
 from torch._C._profiler import _EventType as EventType  # noqa: E402
 # Dynamo re-raises this exception class unwrapped, so fxremat.BudgetError reaches users as itself.
 from torch._dynamo.exc import ShortenTraceback  # noqa: E402
@@ -68,17 +70,120 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E4
 # fallback kernels that need their inputs materialized (the fusion model of passes/fusion.py).
 from torch._inductor import lowering as inductor_lowering  # noqa: E402
 # Dynamo's frame id for the graph being compiled: recompiles of one frame are not graph breaks.
-from torch._guards import CompileContext  # noqa: E402
-current_compile_id = CompileContext.current_compile_id
+from torch._guards import CompileContext as _CompileContext  # noqa: E402
 # Tests record the in-place reuses Inductor's scheduler decides (KernelArgs.make_inplace).
 from torch._inductor.codegen.common import KernelArgs as inductor_kernel_args  # noqa: E402
 # Tests read which buffers Inductor's scheduler fused away (GraphLowering.removed_buffers).
 from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # noqa: E402
+# Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput).
+from torch.utils._pytree import tree_leaves  # noqa: E402
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
 
 
 def torch_version_ok() -> bool:
-    """True when the running torch is inside the supported range."""
+    """True when the running torch is inside ``SUPPORTED_TORCH``."""
     major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return (2, 13) <= major_minor < (2, 15)
+    low, high = SUPPORTED_TORCH
+    return low <= major_minor < high
+
+
+def no_autograd_cache():
+    """AOTAutograd's cache would serve a partitioned graph without calling the partitioner
+    (no Plan to inspect); with it off the joint graph is re-planned."""
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
+def current_frame_id() -> int | None:
+    """Dynamo's frame id of the graph being compiled, or None outside a compile."""
+    compile_id = _CompileContext.current_compile_id()
+    return None if compile_id is None else compile_id.frame_id
+
+
+def prepare_joint(joint: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
+    """The stock partitioner's preparation: DCE, CSE, checkpoint-tag clean-up, forced saves.
+
+    Returns:
+        The prepared joint graph, and whether a user checkpoint region asks to
+        recompute random ops (their RNG state must then be functionalized).
+    """
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+    if functorch_config.cse:
+        joint.graph = _fx_graph_cse(joint.graph)
+        joint.recompile()
+    recomputes_rng = False
+    if _partitioners.has_recomputable_ops(joint):
+        recomputes_rng = _partitioners.has_recomputable_rng_ops(joint)
+        joint = _partitioners.cleanup_recompute_tags(joint, is_default_partition=False)
+    if not functorch_config.unsafe_allow_optimization_of_collectives:
+        _partitioners.force_save_collectives(joint)
+    _partitioners.force_save_effectful_ops(joint)
+    _partitioners.force_save_bw_mutation_src(joint)
+    return joint, recomputes_rng
+
+
+def classify_nodes(joint: torch.fx.GraphModule, static_lifetime_input_indices: list[int], num_fwd_outputs: int):
+    """PyTorch's split of the joint graph's nodes: required forward / backward nodes, static inputs."""
+    return _partitioners.classify_nodes(joint, static_lifetime_input_indices, num_fwd_outputs)
+
+
+def default_partition(joint, joint_inputs, num_fwd_outputs: int, static_lifetime_input_indices: list[int], info):
+    """PyTorch's default partition, for graphs with nothing to plan (no backward)."""
+    return _partitioners.default_partition(
+        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+        static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+    )
+
+
+# PyTorch's min-cut partitioner: the fallback (on_error="fallback") and verify's reference.
+min_cut_partition = _partitioners.min_cut_rematerialization_partition
+
+
+def extract_programs(joint, saved: list, saved_sym: list, *, num_fwd_outputs: int, static_lifetime_input_nodes,
+                     recomputes_rng: bool) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Split ``joint`` into the forward and backward programs that save ``saved`` + ``saved_sym``.
+
+    PyTorch's own extraction handles symbolic sizes, RNG seeds, opaque objects
+    and backward state; the backward is then put in the order the autograd
+    engine would run it (recomputation just before its first use), getitems
+    next to their producers, and graph-safe RNG threaded through both.
+    """
+    fw, bw = _partitioners._extract_fwd_bwd_modules(
+        joint, saved, saved_sym_nodes=saved_sym, num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=static_lifetime_input_nodes,
+    )
+    if recomputes_rng:
+        fw, bw = _partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
+    bw = _partitioners.reordering_to_mimic_autograd_engine(bw)
+    fw, bw = _raise_getitems(fw), _raise_getitems(bw)
+    fw = _partitioners.thread_graphsafe_rng_from_hops(fw, is_backward=False)
+    bw = _partitioners.thread_graphsafe_rng_from_hops(bw, is_backward=True)
+    return fw, bw
+
+
+# ------------------------------------------------------------ op targets and the profiler (passes/)
+
+from typing import Any, TypeGuard  # noqa: E402
+
+# Aten/prims op overloads are the targets whose schema and tags passes read; the class lives in private torch._ops.
+OpOverload = torch._ops.OpOverload
+
+
+# The class test on fx targets, so no pass names torch._ops itself.
+def is_op_overload(target: object) -> TypeGuard[OpOverload]:
+    """True when an fx ``call_function`` target is an op overload (``torch.ops.aten.mm.default``)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+# Alias and mutation info of an op's arguments and returns is only reachable through its private `_schema`.
+def op_schema(target: object) -> Any:
+    """The op's ``FunctionSchema`` (arguments, returns, alias info), or None for a target without one."""
+    return getattr(target, "_schema", None)
+
+
+# Profiler sessions do not nest; whether one is running is only the private flag `_is_profiler_enabled`.
+def profiler_is_enabled() -> bool:
+    """Whether a torch profiler session is running in this process."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)

@@ -1,4 +1,4 @@
-"""The torch.compile backend: options, registration, inner compilers.
+"""The torch.compile backend: registration, and the one compile pipeline.
 
 ``torch.compile(model, backend="fxremat", options={...})`` finds
 ``fxremat_backend`` through the ``torch_dynamo_backends`` entry point, so no
@@ -20,21 +20,22 @@ import torch
 import torch.fx as fx
 
 from ._torch_compat import (
+    SUPPORTED_TORCH,
     BoxedCodeGen,
     CustomPartitionerFn,
     aot_autograd,
     compile_fx,
-    functorch_config,
-    partitioners,
+    min_cut_partition,
+    no_autograd_cache,
     torch_version_ok,
 )
 from .budget import BudgetError
 from .options import Options
-from .passes.partition import partition
-from .plan import plans
+from .planner import partition
+from .recorder import plans
 from .verify import input_names, verified
 
-__all__ = ["backend", "fxremat_backend", "FxrematPartitioner"]
+__all__ = ["backend", "fxremat_backend", "FxrematPartitioner", "build_compiler", "eager_compiler"]
 
 log = logging.getLogger("fxremat")
 
@@ -66,7 +67,7 @@ class FxrematPartitioner(CustomPartitionerFn):
 
 
 def _partition_guarded(gm, joint_inputs, options: Options, **kwargs):
-    """Run the partitioner; on an unexpected failure raise with context, or fall back."""
+    """Run the planner; on an unexpected failure raise with context, or fall back."""
     try:
         return partition(gm, joint_inputs, options=options, **kwargs)
     except BudgetError:
@@ -83,10 +84,10 @@ def _partition_guarded(gm, joint_inputs, options: Options, **kwargs):
             stacklevel=2,
         )
         kwargs.pop("compiler", None)
-        return partitioners.min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        return min_cut_partition(gm, joint_inputs, **kwargs)
 
 
-def _eager_compiler(gm: fx.GraphModule, example_inputs) -> Callable:
+def eager_compiler(gm: fx.GraphModule, example_inputs, **_kwargs) -> Callable:
     """Run an fx graph as Python code in the boxed convention (inputs die at last use)."""
     gm.graph.set_codegen(BoxedCodeGen())
     gm.recompile()
@@ -98,56 +99,75 @@ def _eager_compiler(gm: fx.GraphModule, example_inputs) -> Callable:
     return run
 
 
-def _compile(gm: fx.GraphModule, example_inputs, options: Options):
-    if not torch_version_ok():
-        warnings.warn(f"fxremat is tested with torch >=2.13,<2.15; this is torch {torch.__version__}", stacklevel=2)
-    if not options.verify:
-        return _compile_planned(gm, example_inputs, options)
-    # The reference gets its own copy: compiling may rewrite the graph in place.
-    reference_gm = copy.deepcopy(gm)
-    names = input_names(gm)
-    count = len(plans())
-    compiled = _compile_planned(gm, example_inputs, options)
-    where = plans()[-1].graph if len(plans()) > count else "a graph with no backward"
-    return verified(compiled, _compile_reference(reference_gm, example_inputs, options), names, where)
+def build_compiler(options: Options, program_compiler: Callable | None = None) -> Callable:
+    """The one compile pipeline, for ``torch.compile`` and ``fxremat.explain`` alike.
+
+    Dynamo's graph -> AOTAutograd (joint graph) -> fxremat's planner -> the inner
+    compiler: Inductor (its joint passes, then its code generation) or eager fx code.
+
+    Args:
+        options: validated options.
+        program_compiler: compiles each planned forward and backward program in
+            place of the inner compiler's own code generation (``explain``'s dry
+            runs); None for the real one.
+
+    Returns:
+        A Dynamo backend ``(gm, example_inputs) -> callable``.
+    """
+
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        if options.inner == "eager":
+            return aot_autograd(
+                fw_compiler=program_compiler or eager_compiler,
+                bw_compiler=program_compiler or eager_compiler,
+                partition_fn=functools.partial(_partition_guarded, options=options),
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
+        # Inductor's FX graph cache, keyed by the partitioner's uuid, still skips code generation.
+        patches: dict[str, object] = {"custom_partitioner_fn": FxrematPartitioner(options)}
+        if options.budget is not None:
+            # Layout optimisation inserts channels-last copies of convolution inputs after
+            # planning, memory the plan never saw (a CNN measured 1.035x its budget with it).
+            patches["layout_optimization"] = False
+            # Buffer reuse holds a dead buffer until a later allocation of its size takes it,
+            # memory the liveness simulation frees (transformer, least plan: measured 1.07x its
+            # prediction with reuse, 0.93x without). In-place reuse of a dying input stays on.
+            patches["allow_buffer_reuse"] = False
+        with no_autograd_cache():
+            if program_compiler is None:
+                return compile_fx.compile_fx(gm, example_inputs, config_patches=patches)
+            return compile_fx.compile_fx(gm, example_inputs, inner_compile=program_compiler, config_patches=patches)
+
+    return compile_graph
 
 
 def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):
     """The same graph through the same inner compiler with PyTorch's own (min-cut) partition."""
     if options.inner == "eager":
         return aot_autograd(
-            fw_compiler=_eager_compiler,
-            bw_compiler=_eager_compiler,
-            partition_fn=partitioners.min_cut_rematerialization_partition,
+            fw_compiler=eager_compiler, bw_compiler=eager_compiler, partition_fn=min_cut_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     return compile_fx.compile_fx(gm, example_inputs)
 
 
-def _compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
-    partitioner = FxrematPartitioner(options)
-    if options.inner == "eager":
-        inner = aot_autograd(
-            fw_compiler=_eager_compiler,
-            bw_compiler=_eager_compiler,
-            partition_fn=functools.partial(_partition_guarded, options=options),
-            keep_inference_input_mutations=True,
+def _compile(gm: fx.GraphModule, example_inputs, options: Options):
+    if not torch_version_ok():
+        (low, high) = SUPPORTED_TORCH
+        warnings.warn(
+            f"fxremat is tested with torch >={low[0]}.{low[1]},<{high[0]}.{high[1]}; this is torch {torch.__version__}",
+            stacklevel=2,
         )
-        return inner(gm, example_inputs)
-    # AOTAutograd's cache would serve a partitioned graph without calling the partitioner,
-    # leaving no Plan to inspect; with it off the joint graph is re-planned (fast) while
-    # Inductor's FX graph cache, keyed by the partitioner's uuid, still skips code generation.
-    patches: dict[str, object] = {"custom_partitioner_fn": partitioner}
-    if options.budget is not None:
-        # Layout optimisation inserts channels-last copies of convolution inputs after
-        # planning, memory the plan never saw (a CNN measured 1.035x its budget with it).
-        patches["layout_optimization"] = False
-        # Buffer reuse holds a dead buffer until a later allocation of its size takes it,
-        # memory the liveness simulation frees (transformer, least plan: measured 1.07x its
-        # prediction with reuse, 0.93x without). In-place reuse of a dying input stays on.
-        patches["allow_buffer_reuse"] = False
-    with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx.compile_fx(gm, example_inputs, config_patches=patches)
+    compiler = build_compiler(options)
+    if not options.verify:
+        return compiler(gm, example_inputs)
+    # The reference gets its own copy: compiling may rewrite the graph in place.
+    reference_gm = copy.deepcopy(gm)
+    names = input_names(gm)
+    count = len(plans())
+    compiled = compiler(gm, example_inputs)
+    where = plans()[-1].graph if len(plans()) > count else "a graph with no backward"
+    return verified(compiled, _compile_reference(reference_gm, example_inputs, options), names, where)
 
 
 def fxremat_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):

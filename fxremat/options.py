@@ -73,6 +73,10 @@ class Options:
     def from_mapping(cls, mapping: dict | None = None) -> "Options":
         """Validate a user's options (``torch.compile(..., options=...)``).
 
+        Every field of ``Options`` may be given; a missing one takes its value from
+        the environment where it has a variable (``FXREMAT_BUDGET``,
+        ``FXREMAT_DUMP_DIR``, ``FXREMAT_VERIFY``), else the field's default.
+
         Args:
             mapping: option names to values; unknown names are rejected.
 
@@ -87,43 +91,15 @@ class Options:
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ValueError(f"unknown fxremat option(s) {unknown}; valid options are {sorted(known)}")
-        if "budget" in mapping:
-            budget = parse_budget(mapping["budget"], name="budget")
-        else:
-            budget = budget_from_env()
-        inner = mapping.get("inner", "inductor")
-        _choice("inner", inner, INNERS)
-        solver = mapping.get("solver", "auto")
-        _choice("solver", solver, _solver_names())
-        hardware = mapping.get("hardware", "cpu")
-        _choice("hardware", hardware, tuple(HARDWARE))
-        on_infeasible = mapping.get("on_infeasible", "error")
-        _choice("on_infeasible", on_infeasible, ON_INFEASIBLE)
-        on_error = mapping.get("on_error", "raise")
-        _choice("on_error", on_error, ON_ERROR)
-        time_limit = mapping.get("time_limit", 10.0)
-        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
-            raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds")
-        dump_dir = mapping.get("dump_dir", os.environ.get(ENV_DUMP_DIR) or None)
-        if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
-            raise TypeError(f"dump_dir={dump_dir!r} must be a path (str or os.PathLike)")
-        measure_scratch = mapping.get("measure_scratch", True)
-        if not isinstance(measure_scratch, bool):
-            raise TypeError(f"measure_scratch={measure_scratch!r} must be True or False")
-        calibrate = mapping.get("calibrate", False)
-        if not isinstance(calibrate, bool):
-            raise TypeError(f"calibrate={calibrate!r} must be True or False")
-        release_outputs = mapping.get("release_outputs", False)
-        if not isinstance(release_outputs, bool):
-            raise TypeError(f"release_outputs={release_outputs!r} must be True or False")
-        verify = mapping.get("verify", os.environ.get(ENV_VERIFY, "0") not in ("", "0"))
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify={verify!r} must be True or False")
-        return cls(
-            verify=verify, measure_scratch=measure_scratch, calibrate=calibrate, release_outputs=release_outputs,
-            budget=budget, inner=inner, solver=solver, hardware=hardware, on_infeasible=on_infeasible,
-            on_error=on_error, time_limit=float(time_limit), dump_dir=None if dump_dir is None else os.fspath(dump_dir),
-        )
+        values = {}
+        for f in fields(cls):
+            if f.name in mapping:
+                values[f.name] = _VALIDATE.get(f.name, _as(f.type))(f.name, mapping[f.name])
+            elif f.name in _FROM_ENV:
+                values[f.name] = _FROM_ENV[f.name]()
+            else:
+                values[f.name] = f.default
+        return cls(**values)
 
     def key(self) -> str:
         """A stable string of every option that changes the plan (for cache keys)."""
@@ -137,3 +113,55 @@ def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(valid)}")
 
+
+def _as(type_name):
+    """A validator for a plain field: bools must be bools."""
+    if type_name == "bool":
+        def check_bool(name: str, value):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be True or False")
+            return value
+
+        return check_bool
+    return lambda name, value: value
+
+
+def _one_of(valid):
+    def check(name: str, value):
+        _choice(name, value, valid() if callable(valid) else valid)
+        return value
+
+    return check
+
+
+def _seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+def _path(name: str, value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={value!r} must be a path (str or os.PathLike)")
+    return os.fspath(value)
+
+
+# How each option is checked (fields not listed: by their type, see _as).
+_VALIDATE = {
+    "budget": lambda name, value: parse_budget(value, name=name),
+    "inner": _one_of(INNERS),
+    "solver": _one_of(_solver_names),
+    "hardware": _one_of(tuple(HARDWARE)),
+    "on_infeasible": _one_of(ON_INFEASIBLE),
+    "on_error": _one_of(ON_ERROR),
+    "time_limit": _seconds,
+    "dump_dir": _path,
+}
+# Options the environment supplies when the mapping does not.
+_FROM_ENV = {
+    "budget": budget_from_env,
+    "dump_dir": lambda: os.environ.get(ENV_DUMP_DIR) or None,
+    "verify": lambda: os.environ.get(ENV_VERIFY, "0") not in ("", "0"),
+}

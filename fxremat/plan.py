@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ from .budget import format_bytes
 if TYPE_CHECKING:
     from .solvers.types import RematProblem
 
-__all__ = ["ValueRecord", "NodeRecord", "Plan", "plans", "clear_plans"]
+__all__ = ["ValueRecord", "NodeRecord", "Plan", "PLAN_SCHEMA"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class Plan:
         predicted_peak: peak bytes of the step from liveness simulation of the
             exact forward and backward programs (above the pre-step baseline);
             under ``inner="inductor"`` the simulation models Inductor's fusion and
-            adds ``passes.partition.INDUCTOR_ALLOWANCE`` (4%) for buffers it adds.
+            adds ``planner.INDUCTOR_ALLOWANCE`` (4%) for buffers it adds.
         saved_bytes: bytes saved from the forward for the backward.
         recompute_flops / recompute_seconds: cost of the recomputation (estimated).
         solver: which solver produced the decision.
@@ -250,47 +249,3 @@ class Plan:
 
 
 PLAN_SCHEMA = "fxremat.plan/1"
-_LOCK = threading.Lock()
-_PLANS: list[Plan] = []
-
-
-def record(plan: Plan) -> None:
-    """Remember a plan made by the backend (see ``plans()``)."""
-    with _LOCK:
-        _PLANS.append(plan)
-
-
-def plans() -> list[Plan]:
-    """Every plan the backend made in this process, oldest first.
-
-    Returns:
-        A new list (later compiles do not change it), one Plan per graph
-        planned; a recompile (new shapes, a graph break) adds another.
-
-    Example:
-        >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "1GiB"})
-        >>> compiled(x).sum().backward()
-        >>> print(fxremat.plans()[-1])
-    """
-    with _LOCK:
-        return list(_PLANS)
-
-
-def clear_plans() -> None:
-    """Forget the recorded plans; graph names start again at ``"graph 0"``.
-
-    Returns:
-        None.
-
-    Example:
-        >>> fxremat.clear_plans()
-        >>> fxremat.plans()
-        []
-    """
-    with _LOCK:
-        _PLANS.clear()
-
-
-def next_graph_name() -> str:
-    with _LOCK:
-        return f"graph {len(_PLANS)}"

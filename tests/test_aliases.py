@@ -264,7 +264,7 @@ def test_verify_replays_randomness_and_leaves_the_step_alone(name, inner):
 def test_verify_names_the_wrong_gradient(monkeypatch):
     """With the one-value-per-storage rule and the program check switched off, the bug
     is back and verify stops the step before it runs, naming the parameter."""
-    from fxremat.passes import partition as planner
+    from fxremat import planner
 
     monkeypatch.setattr(schedule, "one_per_storage", lambda problem, kept: kept)
     monkeypatch.setattr(schedule, "alias_groups", lambda problem, values: {})

@@ -717,8 +717,9 @@ def _exploding_solver(*args, **kwargs):
 
 @pytest.fixture
 def broken_solver(monkeypatch):
-    partition_module = importlib.import_module("fxremat.passes.partition")
-    monkeypatch.setattr(partition_module, "solve", _exploding_solver)
+    from fxremat.solvers.registry import SOLVERS
+
+    monkeypatch.setitem(SOLVERS, "auto", _exploding_solver)
 
 
 def test_planning_failure_raises_with_context_by_default(broken_solver):

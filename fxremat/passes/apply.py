@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .._torch_compat import is_sym_node, partitioners, raise_getitems
+from .._torch_compat import extract_programs, is_sym_node
 
 __all__ = ["apply_decision"]
 
@@ -38,20 +38,11 @@ def apply_decision(
     Returns:
         (forward, backward) GraphModules.
     """
-    saved_sym = [n for n in kept if is_sym_node(n)]
-    saved = [n for n in kept if not is_sym_node(n)]
-    fw, bw = partitioners._extract_fwd_bwd_modules(
+    return extract_programs(
         joint,
-        saved,
-        saved_sym_nodes=saved_sym,
+        [n for n in kept if not is_sym_node(n)],
+        [n for n in kept if is_sym_node(n)],
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=static_lifetime_input_nodes,
+        recomputes_rng=recomputes_rng,
     )
-    if recomputes_rng:
-        fw, bw = partitioners.functionalize_rng_ops(joint, fw, bw, len(saved_sym))
-    bw = partitioners.reordering_to_mimic_autograd_engine(bw)
-    fw = raise_getitems(fw)
-    bw = raise_getitems(bw)
-    fw = partitioners.thread_graphsafe_rng_from_hops(fw, is_backward=False)
-    bw = partitioners.thread_graphsafe_rng_from_hops(bw, is_backward=True)
-    return fw, bw

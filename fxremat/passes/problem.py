@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._torch_compat import is_sym_node
-from ..solvers.types import BACKWARD, FORWARD, RematProblem
+from ..solvers.types import BACKWARD, FORWARD, Decision, RematProblem
 from .cost import NodeCost
 
-__all__ = ["ProblemGraph", "build_problem", "inplace_ids", "is_tangent", "never_recompute_reason"]
+__all__ = [
+    "ProblemGraph", "build_problem", "inplace_ids", "is_tangent", "never_recompute_reason", "saved_nodes", "specialize_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -206,3 +209,30 @@ def inplace_ids(pairs, ids: dict, storage, nbytes) -> tuple[tuple[int, int], ...
         if w is not None and b is not None and b < w and storage[w] == w and storage[b] == b and nbytes[b]:
             out.add((w, b))
     return tuple(sorted(out))
+
+
+def saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
+    """The fx nodes the forward hands the backward for ``decision``: the kept forward nodes,
+    plus the graph inputs the backward reads (they cost nothing: they exist before the step,
+    but the backward can only see what the forward hands it)."""
+    problem = pg.problem
+    readers = [pg.nodes[i] for i in range(problem.size) if problem.phase[i] == BACKWARD]
+    readers += [pg.nodes[i] for i in decision.recomputed]
+    inputs = {a for n in readers for a in n.all_input_nodes if a.op == "placeholder" and not is_tangent(a)}
+    graph_inputs = [n for n in pg.nodes[0].graph.nodes if n in inputs]
+    return graph_inputs + [pg.nodes[i] for i in decision.kept]
+
+
+def specialize_sizes(joint: fx.GraphModule) -> None:
+    """Guard every symbolic size of the joint graph's inputs to its current value.
+
+    A plan is checked against the budget at concrete sizes; a longer sequence
+    would peak higher. With a budget, each new size therefore recompiles and
+    is planned anew (Dynamo's recompile limit then bounds how many sizes compile).
+    """
+    for node in joint.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    guard_int(size)

@@ -2,7 +2,8 @@
 
 ``explain`` runs the same pipeline ``torch.compile(backend="fxremat")`` runs
 (Dynamo, AOTAutograd, Inductor's joint passes when ``inner="inductor"``, the
-fxremat partitioner) on the model and example inputs, but replaces the
+fxremat planner: ``backend.build_compiler``, the one pipeline both use) on the
+model and example inputs, but replaces the
 compiled forward and backward with dry runs: they return tensors of the right
 shapes and dtypes whose saved values and gradients take no memory (zero-stride
 views of one element), and compute nothing. So no training step runs, no
@@ -20,16 +21,18 @@ the attention matrix), so fake CPU or CUDA tensors give the faithful plan.
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from ._torch_compat import FakeTensor, aot_autograd, compile_fx
-from .backend import FxrematPartitioner, _partition_guarded
+from ._torch_compat import FakeTensor, tree_leaves
+from .backend import build_compiler
 from .options import Options
-from .plan import Plan, plans
+from .plan import Plan
+from .planner import USER_OUTPUTS, watch
 from .solvers.registry import solve
 from .solvers.types import Decision, SolveOptions
 
@@ -49,12 +52,12 @@ def _empty_like_meta(val, materialize: bool):
 
 
 def _dry_compiler(gm: fx.GraphModule, example_inputs, **_kwargs):
-    """An inner compiler whose programs compute nothing and allocate only user outputs."""
+    """A program compiler whose programs compute nothing and allocate only user outputs."""
     output = next(iter(gm.graph.find_nodes(op="output")))
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in output.args[0]]
     backward = any("tangents" in str(n.target) for n in gm.graph.find_nodes(op="placeholder"))
-    # The forward returns the user outputs, then the saved values (see _dry_backend).
-    users = 0 if backward else gm.meta.get(_USER_OUTPUTS, len(vals))
+    # The forward returns the user outputs, then the saved values (the planner marks how many).
+    users = 0 if backward else gm.meta.get(USER_OUTPUTS, len(vals))
 
     def run(args):
         args.clear()
@@ -64,40 +67,23 @@ def _dry_compiler(gm: fx.GraphModule, example_inputs, **_kwargs):
     return run
 
 
-_USER_OUTPUTS = "fxremat_num_user_outputs"
+def _fresh_entry():
+    """A new function object with its own code object, to hand ``torch.compile``.
 
+    Dynamo caches compiled code on the code object of the frame it compiles. Compiling a
+    function whose code object no one else has keeps explain's dry programs out of the
+    caches of the user's compiled model (same class, same ``forward``), so explain needs
+    no ``torch._dynamo.reset()`` and the user's compiled functions stay compiled.
+    """
 
-def _mark(fw_and_bw, num_fwd_outputs: int):
-    fw, bw = fw_and_bw
-    fw.meta[_USER_OUTPUTS] = num_fwd_outputs
-    return fw, bw
+    def call(model_or_fn, args):
+        return model_or_fn(*args)
 
-
-class _DryPartitioner(FxrematPartitioner):
-    """fxremat's partitioner, also telling the dry compiler how many outputs the user sees."""
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        return _mark(super().__call__(gm, joint_inputs, **kwargs), kwargs.get("num_fwd_outputs", 0))
-
-
-def _dry_backend(options: Options):
-    if options.inner == "eager":
-        def partition(gm, joint_inputs, **kwargs):
-            return _mark(_partition_guarded(gm, joint_inputs, options, **kwargs), kwargs.get("num_fwd_outputs", 0))
-
-        return aot_autograd(fw_compiler=_dry_compiler, bw_compiler=_dry_compiler, partition_fn=partition)
-
-    def inductor_dry(gm, example_inputs):
-        return compile_fx.compile_fx(
-            gm, example_inputs, inner_compile=_dry_compiler,
-            config_patches={"custom_partitioner_fn": _DryPartitioner(options)},
-        )
-
-    return inductor_dry
+    return types.FunctionType(call.__code__.replace(), call.__globals__, "fxremat_explain")
 
 
 def _tensors(model_or_fn, args) -> list[torch.Tensor]:
-    tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    tensors = [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
     if isinstance(model_or_fn, torch.nn.Module):
         tensors += list(model_or_fn.parameters())
     return tensors
@@ -146,29 +132,35 @@ def explain(model_or_fn, *args, budget=None, **options) -> Plan:
     mapping = dict(options)
     if budget is not None:
         mapping["budget"] = budget
+    return _largest(_plan(model_or_fn, args, _options(model_or_fn, args, mapping)))
+
+
+def _options(model_or_fn, args, mapping: dict) -> Options:
     if _has_fake(model_or_fn, args):
         # Fake weights stand for a model too large to build: never run its ops for real.
-        mapping.setdefault("measure_scratch", False)
-    opts = Options.from_mapping(mapping)
+        mapping = {"measure_scratch": False, **mapping}
+    return Options.from_mapping(mapping)
+
+
+def _plan(model_or_fn, args, options: Options) -> list[Plan]:
+    """Run Dynamo, AOTAutograd and the planner on a dry step; return the plans made."""
     params = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
-    before = len(plans())
-    torch._dynamo.reset()
     try:
-        compiled = torch.compile(model_or_fn, backend=_dry_backend(opts))
-        out = compiled(*args)
-        loss = out if isinstance(out, torch.Tensor) else _first_tensor(out)
-        if loss.requires_grad:
-            (loss if loss.dim() == 0 else loss.sum()).backward()
+        with watch() as planned:
+            compiled = torch.compile(_fresh_entry(), backend=build_compiler(options, _dry_compiler))
+            out = compiled(model_or_fn, args)
+            loss = out if isinstance(out, torch.Tensor) else _first_tensor(out)
+            if loss.requires_grad:
+                (loss if loss.dim() == 0 else loss.sum()).backward()
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
-        torch._dynamo.reset()
-    return _largest(plans()[before:])
+    return [plan for _, _, plan in planned]
 
 
 def _first_tensor(out):
-    for leaf in torch.utils._pytree.tree_leaves(out):
+    for leaf in tree_leaves(out):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             return leaf
     raise TypeError(f"the model returned {type(out).__name__} with no tensor that requires grad; return the loss")
@@ -215,12 +207,13 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
     if points < 2:
         raise ValueError(f"points={points} must be at least 2")
     options.pop("budget", None)
-    base = explain(model_or_fn, *args, **options)
+    opts = _options(model_or_fn, args, options)
+    base = _largest(_plan(model_or_fn, args, opts))
     problem = base.problem
     if problem is None:
         raise RuntimeError(f"{base.graph}: the plan carries no RematProblem to re-solve; this is a bug in fxremat, please report it")
-    solver = options.get("solver", "auto")
-    solve_options = SolveOptions(time_limit=options.get("time_limit", 10.0))
+    solver = opts.solver
+    solve_options = SolveOptions(time_limit=opts.time_limit)
     fastest = solve(problem, None, solver, solve_options)
     least = solve(problem, 1, solver, solve_options)
     hi, lo = fastest.peak_bytes, least.peak_bytes

@@ -1,0 +1,116 @@
+"""The plans this process made: naming, a bounded history, graph-break bookkeeping, dumps.
+
+``fxremat.plans()`` reads from here. Planning (``planner.py``) hands each
+finished plan to ``record``; nothing below the planner touches this state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import warnings
+from collections import deque
+from pathlib import Path
+
+from ._torch_compat import current_frame_id
+from .budget import format_bytes
+from .options import Options
+from .plan import Plan
+
+__all__ = ["plans", "clear_plans", "new_graph_name", "record", "MAX_PLANS"]
+
+log = logging.getLogger("fxremat")
+
+# Plans kept for fxremat.plans(). Each holds its problem and programs' source (a few
+# MB for a large model): a long job that recompiles for every new shape must not
+# grow without bound. 64 covers every graph of a model with breaks and its recompiles.
+MAX_PLANS = 64
+
+_LOCK = threading.Lock()
+_PLANS: deque[Plan] = deque(maxlen=MAX_PLANS)
+# Names are unique in the process, also across clear_plans(): "graph 14" is one graph.
+_NAMES = itertools.count()
+# Dynamo frame of each recorded plan, by plan name: a recompile of one frame (new sizes)
+# replaces its graph, while a graph break starts a new frame.
+_FRAME_OF: dict[str, int | None] = {}
+_WARNED_SHARED: set[str] = set()
+
+
+def new_graph_name() -> str:
+    """A name for the graph being planned (``"graph 0"``, ``"graph 1"``, ...), never reused."""
+    with _LOCK:
+        return f"graph {next(_NAMES)}"
+
+
+def plans() -> list[Plan]:
+    """The plans the backend made in this process, oldest first (the last ``MAX_PLANS``).
+
+    Returns:
+        A new list (later compiles do not change it), one Plan per graph
+        planned; a recompile (new shapes, a graph break) adds another.
+
+    Example:
+        >>> compiled = torch.compile(model, backend="fxremat", options={"budget": "1GiB"})
+        >>> compiled(x).sum().backward()
+        >>> print(fxremat.plans()[-1])
+    """
+    with _LOCK:
+        return list(_PLANS)
+
+
+def clear_plans() -> None:
+    """Forget the recorded plans (later graphs keep counting: names are never reused).
+
+    Returns:
+        None.
+
+    Example:
+        >>> fxremat.clear_plans()
+        >>> fxremat.plans()
+        []
+    """
+    with _LOCK:
+        _PLANS.clear()
+        _FRAME_OF.clear()
+
+
+def record(plan: Plan, options: Options) -> None:
+    """Remember ``plan``, warn when graphs of one step share a budget, and save it where asked."""
+    frame = current_frame_id()
+    _warn_if_shared_budget(plan, options, frame)
+    with _LOCK:
+        _FRAME_OF[plan.graph] = frame
+        _PLANS.append(plan)
+    log.info(
+        "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
+        plan.graph, plan.num_nodes, "none" if options.budget is None else format_bytes(options.budget),
+        format_bytes(plan.predicted_peak), format_bytes(plan.saved_bytes), len(plan.recomputed),
+        plan.recompute_seconds * 1e3, plan.solver, plan.solve_seconds * 1e3,
+    )
+    if options.dump_dir:
+        try:
+            plan.save(Path(options.dump_dir) / plan.graph.replace(" ", "_"))
+        except OSError as exc:  # the plan is good and will run; only its files are missing
+            warnings.warn(f"fxremat could not save {plan.graph}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=3)
+
+
+def _warn_if_shared_budget(plan: Plan, options: Options, frame: int | None) -> None:
+    """Warn once per option set when graphs of different frames are planned under one budget.
+
+    Graph breaks split a step into several graphs (Dynamo frames); each is planned under
+    the whole budget, because a graph cannot see what the others keep alive. Recompiles
+    of one frame (a new sequence length, a changed thread count) do not warn.
+    """
+    if options.budget is None or options.key() in _WARNED_SHARED:
+        return
+    earlier = [p for p in plans() if p.budget == options.budget and _FRAME_OF.get(p.graph) != frame]
+    if earlier:
+        _WARNED_SHARED.add(options.key())
+        warnings.warn(
+            f"fxremat planned {plan.graph} under budget {format_bytes(options.budget)} after "
+            f"{len(earlier)} other graph(s) with the same budget. If they run in one training step "
+            "(graph breaks), each is planned under the whole budget and the step can peak above it; "
+            "remove the breaks (torch._dynamo.explain) for one budget over the whole step.",
+            stacklevel=4,
+        )
