@@ -31,6 +31,25 @@ def test_explain_matches_compile_kept_set(inner):
     assert all(p.grad is None for p in base.parameters()), "explain must not leave gradients behind"
 
 
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_explain_leaves_the_users_compiled_model_compiled(inner):
+    """explain compiles its own code object instead of resetting Dynamo: a model the user
+    compiled before (same class, same forward) does not recompile afterwards."""
+    base, inputs = ZOO["mlp"]()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(copy.deepcopy(base), backend=fxremat.backend(inner=inner))
+    compiled(*inputs).backward()
+    assert len(fxremat.plans()) == 1
+    plan = fxremat.explain(base, *inputs, inner=inner)
+    assert len(fxremat.plans()) == 2 and plan is fxremat.plans()[-1]
+    compiled(*inputs).backward()
+    assert len(fxremat.plans()) == 2, "the user's compiled model was recompiled"
+    # ...and a second explain plans again (its entry is never reused).
+    fxremat.explain(base, *inputs, inner=inner)
+    assert len(fxremat.plans()) == 3
+
+
 def test_explain_runs_no_step_and_keeps_user_grads():
     base, inputs = ZOO["mlp"]()
     base(*inputs).backward()
