@@ -6,7 +6,7 @@ For transformer blocks (tests/zoo.py ``Block``) and every model of the test zoo:
 
 - estimated: the sum of the seconds of the joint graph's forward nodes (all
   graphs, when a model has graph breaks), under the ``cpu`` profile, measured
-  afresh at the start of each configuration (passes/host.py);
+  afresh at the start of each configuration (fxremat/hardware.py);
 - calibrated: the same sum with each op timed on this host (passes/calibrate.py);
 - measured: the median wall time of the model's eager forward (``no_grad``),
   and of the fxremat-compiled forward (``inner="eager"``, the graph the
@@ -88,27 +88,19 @@ def run_config(threads: int) -> list[dict]:
 
     torch.set_num_threads(threads)
     import fxremat
-    import fxremat.passes.partition as partition
+    from fxremat import planner
     from fxremat.passes.calibrate import calibrate_costs
-    from fxremat.passes.cost import get_hardware
+    from fxremat.hardware import get_hardware
 
     hw = get_hardware("cpu")  # measured now: FXREMAT_CACHE_DIR is a fresh folder
-    joints = []
-    annotate = partition.annotate
-
-    def recording_annotate(joint, hardware):
-        costs = annotate(joint, hardware)
-        joints.append((joint, costs))
-        return costs
-
-    partition.annotate = recording_annotate  # see each joint graph the partitioner costs
     rows = []
     for name, model, inputs, fn in _cases():
-        joints.clear()
         torch._dynamo.reset()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fxremat.explain(fn, *inputs, inner="eager", solver="save_all")
+            with planner.watch() as planned:  # see each joint graph the planner costs
+                fxremat.explain(fn, *inputs, inner="eager", solver="save_all")
+        joints = [(analysis.joint, analysis.costs) for analysis, _, _ in planned]
         graphs = len(joints)
         estimated = calibrated = flops = 0.0
         timed = total = 0
@@ -130,7 +122,6 @@ def run_config(threads: int) -> list[dict]:
         rows.append({"case": name, "graphs": graphs, "gflop": flops / 1e9, "estimated": estimated,
                      "calibrated": calibrated, "timed": timed, "nodes": total, "eager": eager, "compiled": compiled})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    partition.annotate = annotate
     return [{"profile": {k: v for k, v in vars(hw).items() if k != "name"}, "load": os.getloadavg()[0]}] + rows
 
 

@@ -95,12 +95,11 @@ def observe(model, run, budget):
 
     import fxremat
     from fxremat._torch_compat import inductor_config, inductor_graph_lowering, inductor_kernel_args
-    from fxremat.passes import partition as partition_pass
+    from fxremat import planner
 
     origins: dict[str, set[str]] = {}
     made: list[str] = []
     files: list[str] = []
-    sims: list = []
 
     def post_fusion(nodes):
         for node in nodes:
@@ -108,8 +107,7 @@ def observe(model, run, budget):
                 origins.setdefault(out.get_name(), set()).update(o.name for o in getattr(out.node, "origins", ()))
         return nodes
 
-    make_inplace, compile_to_module, simulate = (
-        inductor_kernel_args.make_inplace, inductor_graph_lowering.compile_to_module, partition_pass.simulate)
+    make_inplace, compile_to_module = inductor_kernel_args.make_inplace, inductor_graph_lowering.compile_to_module
 
     def record(self, input_name, output_name):
         made.append(output_name)
@@ -120,26 +118,21 @@ def observe(model, run, budget):
         files.append(module.__file__)
         return module
 
-    def observed(*args, **kwargs):
-        sims.append(simulate(*args, **kwargs))
-        return sims[-1]
-
     inductor_kernel_args.make_inplace = record
     inductor_graph_lowering.compile_to_module = compiled_module
-    partition_pass.simulate = observed
     try:
         torch._dynamo.reset()
         fxremat.clear_plans()
         compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", release_outputs=True))
-        with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings():
+        with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), \
+                warnings.catch_warnings(), planner.watch() as planned:
             warnings.simplefilter("ignore")
             run(compiled).backward()
             measured = fxremat.measure(lambda: run(compiled).backward(), reps=1, warmup=1)
     finally:
         inductor_kernel_args.make_inplace = make_inplace
         inductor_graph_lowering.compile_to_module = compile_to_module
-        partition_pass.simulate = simulate
-    sim = sims[-1]
+    sim = planned[-1][1].lowered.simulation
     ours = {sim.names[writer] for writer, _ in sim.timeline.reused}
     theirs = set().union(*(origins.get(name, {name}) for name in made)) if made else set()
     return fxremat.plans()[-1], measured.peak_bytes, files[-2:], ours, theirs

@@ -36,6 +36,10 @@ __all__ = [
     "inductor_kernel_args",
     "inductor_graph_lowering",
     "tree_leaves",
+    "OpOverload",
+    "is_op_overload",
+    "op_schema",
+    "profiler_is_enabled",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from .budget import budget_from_env, parse_budget
-from .passes.cost import HARDWARE
+from .hardware import HARDWARE
 
 __all__ = ["Options", "INNERS", "ON_INFEASIBLE", "ON_ERROR", "ENV_DUMP_DIR", "ENV_VERIFY"]
 

@@ -25,7 +25,8 @@ from .budget import BudgetError, format_bytes
 from .options import Options
 from .passes.apply import apply_decision
 from .passes.calibrate import calibrate_costs
-from .passes.cost import Hardware, NodeCost, annotate, get_hardware
+from .hardware import Hardware, get_hardware
+from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases

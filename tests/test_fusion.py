@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import fxremat
+from fxremat import planner
 from fxremat._torch_compat import inductor_config, inductor_graph_lowering
-from fxremat.passes import partition as partition_pass
+from fxremat.hardware import get_hardware
 from fxremat.passes.cost import annotate
 from fxremat.passes.fusion import fused_nodes
 from fxremat.solvers import schedule
@@ -112,24 +113,18 @@ def _compile_and_observe(name: str, budget, monkeypatch):
 
     monkeypatch.setattr(inductor_graph_lowering, "compile_to_module", compiled_module)
 
-    ours: list[set[str]] = []
-    simulate = partition_pass.simulate
-
-    def observed(fw, bw, *args, **kwargs):
-        for gm in (fw, bw):
-            ours.append({n.name for n in fused_nodes(gm.graph, annotate(gm, partition_pass.get_hardware("cpu")))})
-        return simulate(fw, bw, *args, **kwargs)
-
-    monkeypatch.setattr(partition_pass, "simulate", observed)
     torch._dynamo.reset()
     fxremat.clear_plans()
     base, inputs = ZOO[name]()
     model = copy.deepcopy(base)
     compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
-    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings():
+    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings(), \
+            planner.watch() as planned:
         warnings.simplefilter("ignore")
         compiled(*inputs).backward()
         measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
+    lowered = planned[-1][1].lowered
+    ours = [{n.name for n in fused_nodes(gm.graph, annotate(gm, get_hardware("cpu")))} for gm in (lowered.forward, lowered.backward)]
     allocated = [{origin for buf, origin in names.items() if buf not in gone} for names, gone in zip(realized[-2:], removed[-2:])]
     return ours[-2:], allocated, fxremat.plans()[-1], measured.peak_bytes
 

@@ -13,9 +13,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxremat
+from fxremat import planner
 from fxremat._torch_compat import inductor_config, inductor_kernel_args
-from fxremat.passes import partition as partition_pass
-from fxremat.passes.cost import annotate, get_hardware
+from fxremat.hardware import get_hardware
+from fxremat.passes.cost import annotate
 from fxremat.passes.fusion import fused_nodes
 from fxremat.passes.inplace import inplace_pairs
 from fxremat.solvers import schedule
@@ -139,24 +140,17 @@ def _compile(name: str, budget, monkeypatch):
         done[-1].append(output_name)
         return make_inplace(self, input_name, output_name)
 
-    sims = []
-    simulate = partition_pass.simulate
-
-    def observed(*args, **kwargs):
-        sims.append(simulate(*args, **kwargs))
-        return sims[-1]
-
-    monkeypatch.setattr(partition_pass, "simulate", observed)
     monkeypatch.setattr(inductor_kernel_args, "make_inplace", record)
     torch._dynamo.reset()
     fxremat.clear_plans()
     base, inputs = ZOO[name]()
     compiled = torch.compile(copy.deepcopy(base), backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
-    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings():
+    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings(), \
+            planner.watch() as planned:
         warnings.simplefilter("ignore")
         compiled(*inputs).backward()
         measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
-    sim = sims[-1]
+    sim = planned[-1][1].lowered.simulation
     ours = {sim.names[writer] for writer, _ in sim.timeline.reused}
     theirs = set().union(*(origins.get(name, {name}) for program in done[-2:] for name in program))
     return ours, theirs, fxremat.plans()[-1], measured.peak_bytes

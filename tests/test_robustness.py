@@ -717,9 +717,11 @@ def _exploding_solver(*args, **kwargs):
 
 @pytest.fixture
 def broken_solver(monkeypatch):
-    from fxremat.solvers.registry import SOLVERS
+    from types import MappingProxyType
 
-    monkeypatch.setitem(SOLVERS, "auto", _exploding_solver)
+    from fxremat.solvers import registry
+
+    monkeypatch.setattr(registry, "SOLVERS", MappingProxyType({**registry.SOLVERS, "auto": _exploding_solver}))
 
 
 def test_planning_failure_raises_with_context_by_default(broken_solver):

@@ -9,7 +9,7 @@ draw from the generator; attention with ``dropout_p=0`` draws nothing and is
 timed), ops that mutate an argument, collectives and other effectful ops (as
 ``problem.never_recompute_reason`` lists them), getitems, higher-order ops,
 graphs on the meta device, and ops whose tensors exceed
-``MAX_CALIBRATION_BYTES``. ``NodeCost.timed`` says which nodes were timed.
+``oprun.MAX_STANDALONE_BYTES``. ``NodeCost.timed`` says which nodes were timed.
 
 What is timed is the eager aten op: under ``inner="inductor"`` fused kernels
 run faster than the sum of their ops, so calibrated seconds are an upper
@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import statistics
 import time
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from .._torch_compat import disable_current_modes, is_sym_node
+from .._torch_compat import is_sym_node, profiler_is_enabled
 from .cost import NodeCost
+from .opinfo import is_op_call, nbytes_hint, tensors_of
+from .oprun import MAX_STANDALONE_BYTES, op_signature, real_tensors, standalone_call
 from .problem import never_recompute_reason
-from .scratch import MAX_CALIBRATION_BYTES, _materialize, _signature
 
 __all__ = ["calibrate_costs", "CALIBRATION_REPS"]
 
@@ -71,7 +70,7 @@ def calibrate_costs(gm: fx.GraphModule, costs: dict[fx.Node, NodeCost]) -> dict[
         if not _runnable(node):
             continue
         try:
-            key = _signature(node)
+            key = op_signature(node)
         except Exception as exc:  # an argument whose size has no hint: keep the roofline, say so
             log.debug("calibration skips %s (%s)", node.name, exc)
             continue
@@ -79,13 +78,13 @@ def calibrate_costs(gm: fx.GraphModule, costs: dict[fx.Node, NodeCost]) -> dict[
         keyed.append((node, key))
     if not first:
         return dict(costs)
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_is_enabled():
         # Compiling inside a profiler (fxremat.measure, a user's trace): running ops here
         # would show in that trace and its memory peak, as in passes/scratch.py.
         log.info("a profiler is active: ops not calibrated for this graph (roofline seconds kept)")
         return dict(costs)
     # Real tensors (outside AOTAutograd's fake mode), without moving the user's RNG.
-    with disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
+    with real_tensors():
         timed = {key: s for key, node in first.items() if (s := _time(node)) is not None}
     out = dict(costs)
     for node, key in keyed:
@@ -100,14 +99,13 @@ def calibrate_costs(gm: fx.GraphModule, costs: dict[fx.Node, NodeCost]) -> dict[
 
 def _runnable(node: fx.Node) -> bool:
     """Whether ``node`` can run standalone on synthetic inputs without side effects."""
-    target = node.target
-    if node.op != "call_function" or target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
+    if not is_op_call(node):
         return False
     if is_sym_node(node):  # size arithmetic under dynamic shapes: no tensor work
         return False
     if never_recompute_reason(node) is not None:  # random, mutating, collective, effectful
         return False
-    vals = [a.meta.get("val") for a in node.all_input_nodes] + _tensors(node.meta.get("val"))
+    vals = [a.meta.get("val") for a in node.all_input_nodes] + tensors_of(node.meta.get("val"))
     if any(v is None for v in vals):
         return False
     tensors = [v for v in vals if isinstance(v, torch.Tensor)]
@@ -115,46 +113,13 @@ def _runnable(node: fx.Node) -> bool:
         return False
     if any(t.device.type == "meta" for t in tensors):
         return False
-    return sum(_nbytes(t) for t in tensors) <= MAX_CALIBRATION_BYTES
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
-def _hint(x):
-    return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else x
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(_hint(t.numel())) * t.element_size()
+    return nbytes_hint(tensors) <= MAX_STANDALONE_BYTES
 
 
 def _device(node: fx.Node) -> torch.device:
-    tensors = _tensors(node.meta.get("val")) or [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    tensors = tensors_of(node.meta.get("val"))
+    tensors = tensors or [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     return max((t.device for t in tensors), key=lambda d: d.type != "cpu")
-
-
-def _call(node: fx.Node):
-    """A zero-argument callable running ``node``'s op on fresh real inputs."""
-    real = {}
-    for a in node.all_input_nodes:
-        v = a.meta["val"]
-        if isinstance(v, torch.Tensor):
-            real[a] = _materialize(v)
-        elif isinstance(v, (list, tuple)):
-            real[a] = type(v)(_materialize(t) if isinstance(t, torch.Tensor) else _hint(t) for t in v)
-        else:
-            real[a] = _hint(v)
-    args = fx.node.map_arg(node.args, lambda a: real[a])
-    kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
-    target = node.target
-    assert callable(target), f"{node.format_node()}: target is not callable"  # _runnable: an OpOverload
-    return lambda: target(*args, **kwargs)
 
 
 def _time(node: fx.Node) -> float | None:
@@ -162,7 +127,7 @@ def _time(node: fx.Node) -> float | None:
     device = _device(node)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
-        call = _call(node)
+        call = standalone_call(node)
         sync()
         call()  # warm-up: first-call dispatch, kernel selection, allocator growth
         sync()

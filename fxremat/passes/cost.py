@@ -13,73 +13,21 @@ kept as sympy expressions; the solver uses them evaluated at the size hints.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from .._torch_compat import is_sym_node
+from .._torch_compat import is_op_overload, is_sym_node
+from ..hardware import FRESH_OUTPUT_BYTES, Hardware
+from .opinfo import alias_source, nbytes_hint, packet_name, qualified_op_name, size_hint, tensors_of
 
-__all__ = ["Hardware", "HARDWARE", "FRESH_OUTPUT_BYTES", "NodeCost", "annotate", "get_hardware", "module_path"]
+__all__ = ["NodeCost", "annotate", "module_path"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Rates of a device for the roofline time estimate."""
-
-    name: str
-    peak_flops: float
-    """FLOP/s for the dtype the model trains in (dense matmul)."""
-    bandwidth: float
-    """Bytes/s that ops read and write at."""
-    launch_seconds: float
-    """Fixed cost of running one op (kernel launch, or dispatch on CPU)."""
-    attention_flops: float | None = None
-    """FLOP/s of fused attention kernels, counted as ``torch.utils.flop_counter``
-    counts them (the whole s x s score matrix, causal or not); None: ``peak_flops``."""
-    view_seconds: float = 0.0
-    """Cost of a view op (no data moved): its dispatch on CPU; 0 on GPUs, where the
-    host-side dispatch overlaps the kernels already queued."""
-    fresh_bandwidth: float = math.inf
-    """Bytes/s at which an op first writes an output of at least ``FRESH_OUTPUT_BYTES``
-    (page faults on freshly mapped memory); inf where the allocator caches memory (GPUs)."""
-
-
-# glibc's malloc serves every block of at least 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX
-# on 64-bit, mallopt(3)) with a fresh mmap, and PyTorch's CPU allocator does not
-# cache: such an output is page-faulted in on every step (docs/COST_MODEL.md).
-FRESH_OUTPUT_BYTES = 32 << 20
-
-HARDWARE = {
-    # This host, measured once by a microbenchmark and cached (passes/host.py).
-    "cpu": None,
-    # NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e; ~5 us per kernel launch.
-    "a100": Hardware("a100", 312e12, 2.0e12, 5e-6),
-    # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3.
-    "h100": Hardware("h100", 989e12, 3.35e12, 5e-6),
-    # NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e.
-    "h200": Hardware("h200", 989e12, 4.8e12, 5e-6),
-}
-
-
-def get_hardware(name: str) -> Hardware:
-    """The named profile; unknown names raise ValueError listing the valid ones."""
-    if name not in HARDWARE:
-        raise ValueError(f"hardware={name!r} is not a known profile; choose one of {sorted(HARDWARE)}")
-    if name == "cpu":
-        from .host import measure_cpu
-
-        return Hardware("cpu", **measure_cpu())
-    profile = HARDWARE[name]
-    assert profile is not None  # only "cpu" is measured rather than listed
-    return profile
 
 
 @dataclass(frozen=True)
@@ -93,7 +41,7 @@ class NodeCost:
         bytes_moved: bytes read plus bytes written.
         seconds: roofline estimate of its run time.
         module: module path it came from ("" when unknown).
-        op: short op name ("aten.mm", "getitem", ...).
+        op: the op's qualified name (``opinfo.qualified_op_name``: "aten.mm", "getitem", ...).
         timed: ``seconds`` was measured on the device (``calibrate=True``), not estimated.
         sym_nbytes, sym_flops, sym_bytes_moved: under dynamic shapes, the same
             quantities as sympy expressions in the graph's size symbols (``s0``,
@@ -114,17 +62,9 @@ class NodeCost:
     sym_bytes_moved: sympy.Expr | None = None
 
 
-def _hint(x) -> int:
-    return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else int(x)
-
-
 def _expr(x) -> sympy.Expr:
     """A size as a sympy expression (a SymInt's expression in the graph's size symbols)."""
     return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
-
-
-def _numel_bytes(t: torch.Tensor) -> int:
-    return _hint(t.numel()) * t.element_size()
 
 
 def _raw_bytes(t: torch.Tensor):
@@ -132,44 +72,8 @@ def _raw_bytes(t: torch.Tensor):
     return t.numel() * t.element_size()
 
 
-def _vals(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _vals(v)]
-    return []
-
-
 def _symbolic(tensors: list[torch.Tensor]) -> bool:
     return any(isinstance(d, torch.SymInt) for t in tensors for d in t.shape)
-
-
-def _alias_source(node: fx.Node) -> fx.Node | None:
-    """The input this node's output aliases, per the op schema, or None."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if target is operator.getitem:
-        parent = node.args[0]
-        if isinstance(parent, fx.Node):
-            return _alias_source(parent)
-        return None
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return None
-    # Views return Tensor(a) and in-place ops Tensor(a!): both live in input a's storage.
-    alias = schema.returns[0].alias_info
-    if alias is None:
-        return None
-    if not alias.before_set and str(schema.returns[0].type).startswith("List"):
-        # split/unbind/chunk return Tensor(a)[]: Python sees the list's alias set
-        # empty, but every element is a view of the one input that carries an alias.
-        viewed = [arg for arg, sarg in zip(node.args, schema.arguments) if sarg.alias_info is not None]
-        return viewed[0] if len(viewed) == 1 and isinstance(viewed[0], fx.Node) else None
-    for arg, sarg in zip(node.args, schema.arguments):
-        if sarg.alias_info is not None and sarg.alias_info.before_set & alias.before_set and isinstance(arg, fx.Node):
-            return arg
-    return None
 
 
 def module_path(node: fx.Node) -> str:
@@ -192,7 +96,7 @@ def _clean_path(path: str) -> str:
 def _flops(node: fx.Node, out_val):
     """FLOPs of ``node`` as an int, or a SymInt under dynamic shapes."""
     target = node.target
-    packet = getattr(target, "_overloadpacket", None)
+    packet = getattr(target, "overloadpacket", None)
     args_vals = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
     kwargs_vals = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
     if packet in flop_registry:
@@ -203,10 +107,10 @@ def _flops(node: fx.Node, out_val):
     name = getattr(packet, "__name__", "")
     if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
         return _cpu_sdpa_flops(args_vals, backward=name.endswith("_backward"))
-    if packet is None or _alias_source(node) is not None:
+    if packet is None or alias_source(node) is not None:
         return 0
     # Pointwise and reduction ops: one FLOP per element read (DESIGN.md, cost model).
-    return sum(t.numel() for t in _vals(args_vals))
+    return sum(t.numel() for t in tensors_of(args_vals))
 
 
 def _cpu_sdpa_flops(args_vals, backward: bool):
@@ -246,34 +150,34 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
     costs: dict[fx.Node, NodeCost] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        op = _op_name(node)
+        op = qualified_op_name(node)
         if node.op != "call_function" or is_sym_node(node):
-            tensors = _vals(val) if node.op == "placeholder" else []
-            nbytes = sum(_numel_bytes(t) for t in tensors)
+            tensors = tensors_of(val) if node.op == "placeholder" else []
+            nbytes = nbytes_hint(tensors)
             sym = sympy.Add(*(_expr(_raw_bytes(t)) for t in tensors)) if _symbolic(tensors) else None
             costs[node] = NodeCost(nbytes, node, 0, 0, 0.0, module_path(node), op, sym_nbytes=sym)
             continue
-        source = _alias_source(node)
+        source = alias_source(node)
         if source is not None and source in costs:
             owner = costs[source].owner
             seconds = 0.0 if node.target is operator.getitem else hardware.view_seconds
             costs[node] = NodeCost(0, owner, 0, 0, seconds, module_path(node), op)
             continue
-        tensors = _vals(val)
-        inputs = [t for a in node.all_input_nodes for t in _vals(a.meta.get("val"))]
+        tensors = tensors_of(val)
+        inputs = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
         multi = isinstance(val, (list, tuple))
         getitem = node.target is operator.getitem
         # A multi-output node allocates nothing itself; each getitem owns its element.
         raw_nbytes = 0 if multi else sum(_raw_bytes(t) for t in tensors)
         raw_flops = _flops(node, val)
         raw_moved = 0 if getitem else sum(_raw_bytes(t) for t in inputs) + sum(_raw_bytes(t) for t in tensors)
-        nbytes, flops, moved = _hint(raw_nbytes), _hint(raw_flops), _hint(raw_moved)
+        nbytes, flops, moved = size_hint(raw_nbytes), size_hint(raw_flops), size_hint(raw_moved)
         seconds = 0.0
         if not getitem:
             rate = hardware.peak_flops
             if hardware.attention_flops and _is_attention(node):
                 rate = hardware.attention_flops
-            fresh = sum(b for b in (_numel_bytes(t) for t in tensors) if b >= FRESH_OUTPUT_BYTES)
+            fresh = sum(b for b in (nbytes_hint(t) for t in tensors) if b >= FRESH_OUTPUT_BYTES)
             seconds = (
                 max(flops / rate, moved / hardware.bandwidth)
                 + hardware.launch_seconds + fresh / hardware.fresh_bandwidth
@@ -287,23 +191,5 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
 
 def _is_attention(node: fx.Node) -> bool:
     """A fused attention kernel (SDPA's flash, efficient or cuDNN variants, forward or backward)."""
-    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+    name = packet_name(node) if is_op_overload(node.target) else ""
     return "attention" in name and name.startswith("_")
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if node.op != "call_function":
-        return node.op
-    if target is operator.getitem:
-        return "getitem"
-    packet = getattr(target, "_overloadpacket", None)
-    if packet is not None:
-        return f"{packet._qualified_op_name.replace('::', '.')}"
-    return getattr(target, "__name__", str(target))
-
-
-def total_flops(costs: dict[fx.Node, NodeCost]) -> int:
-    """Sum of FLOPs of a cost table (for reports)."""
-    return sum(c.flops for c in costs.values())
-

@@ -46,23 +46,35 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import inductor_lowering
-from .cost import NodeCost, _hint
+from .cost import NodeCost
+from .opinfo import is_op_call, is_tagged_pointwise, is_view, numel_hint, packet_name
 
-__all__ = ["fused_nodes", "absorbed_mm", "REALIZE_READS_THRESHOLD", "REALIZE_ACC_READS_THRESHOLD", "REALIZE_OPCOUNT_THRESHOLD"]
+__all__ = [
+    "fused_nodes",
+    "absorbed_mm",
+    "is_pointwise",
+    "in_generated_kernel",
+    "POINTWISE_BODIES",
+    "REALIZE_READS_THRESHOLD",
+    "REALIZE_ACC_READS_THRESHOLD",
+    "REALIZE_OPCOUNT_THRESHOLD",
+]
 
-# torch._inductor.config.realize_reads_threshold (4 in torch 2.13): a body with
+# Inductor's config.realize_reads_threshold (torch/_inductor/config.py; 4 in torch 2.13): a body with
 # several users that reads more buffers than this is realized.
 REALIZE_READS_THRESHOLD = 4
-# torch._inductor.config._realize_acc_reads_threshold_default (8): a body that has
+# Inductor's config._realize_acc_reads_threshold_default (torch/_inductor/config.py; 8): a body that has
 # accumulated more buffer reads than this is realized.
 REALIZE_ACC_READS_THRESHOLD = 8
-# torch._inductor.config.realize_cpu_opcount_threshold (50; 30 on GPU): larger
+# Inductor's config.realize_cpu_opcount_threshold (torch/_inductor/config.py; 50; 30 on GPU): larger
 # bodies are realized. The GPU value is used: the smaller one is the safe one.
 REALIZE_OPCOUNT_THRESHOLD = 30
 # Untagged ops whose Inductor lowering is a pointwise loop body (torch/_inductor/lowering.py:
 # `full`, `iota`, `scalar_tensor` fill by index; `embedding`, `gather` load by index;
 # `slice_scatter`, `select_scatter`, `constant_pad_nd` select by index).
-_POINTWISE_BODIES = frozenset({"full", "iota", "scalar_tensor", "embedding", "gather", "slice_scatter", "select_scatter", "constant_pad_nd"})
+POINTWISE_BODIES = frozenset(
+    {"full", "iota", "scalar_tensor", "embedding", "gather", "slice_scatter", "select_scatter", "constant_pad_nd"}
+)
 # Reductions Inductor generates code for (torch/_inductor/lowering.py `make_reduction`
 # and `var_mean`); they read pointwise inputs inside their own loops.
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var_mean", "var", "prod", "any", "all", "argmax", "argmin"})
@@ -71,16 +83,10 @@ _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var_mean", "var", "prod
 _HEAVY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
 
 
-def _is_view(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> bool:
-    return node.op == "call_function" and costs[node].owner is not node and costs[node].nbytes == 0
-
-
-def _is_pointwise(node: fx.Node) -> bool:
-    """Tagged pointwise, or an op Inductor lowers to a pointwise loop body (fills, index loads)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return torch.Tag.pointwise in target.tags or _op_name(node) in _POINTWISE_BODIES
+def is_pointwise(node: fx.Node) -> bool:
+    """An op Inductor lowers to a pointwise loop body: tagged pointwise, or in ``POINTWISE_BODIES``
+    (fills and index loads)."""
+    return is_tagged_pointwise(node) or (is_op_call(node) and packet_name(node) in POINTWISE_BODIES)
 
 
 def absorbed_mm(node: fx.Node) -> fx.Node | None:
@@ -90,7 +96,9 @@ def absorbed_mm(node: fx.Node) -> fx.Node | None:
     ``aten.add.Tensor`` (no ``alpha``) of an ``mm`` with no other user and a
     tensor of the same dtype that broadcasts to the product's shape.
     """
-    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor:
+        return None
+    if node.kwargs or len(node.args) != 2:
         return None
     for mm, other in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
         if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target is torch.ops.aten.mm.default):
@@ -116,7 +124,7 @@ def _expandable(shape: tuple, target: tuple) -> bool:
     return True
 
 
-def _in_generated_kernel(node: fx.Node) -> bool:
+def in_generated_kernel(node: fx.Node) -> bool:
     """Inductor lowers ``node`` into a kernel it generates, so it can inline pointwise inputs.
 
     Pointwise ops and the plain reductions only: matmuls and convolutions run
@@ -125,21 +133,18 @@ def _in_generated_kernel(node: fx.Node) -> bool:
     ops, fallbacks) are treated as realizing their inputs, the safe answer.
     """
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or absorbed_mm(node) is not None:
+    if not is_op_call(node) or absorbed_mm(node) is not None:
         return False
     if target in inductor_lowering.fallbacks or target in inductor_lowering.needs_realized_inputs:
         return False
     if target not in inductor_lowering.lowerings:
         return False
-    return _is_pointwise(node) or _op_name(node) in _REDUCTIONS
+    return is_pointwise(node) or packet_name(node) in _REDUCTIONS
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    return getattr(getattr(target, "overloadpacket", None), "__name__", str(target))
-
-
-def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx.Node] | None = None) -> set[fx.Node]:
+def fused_nodes(
+    graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx.Node] | None = None
+) -> set[fx.Node]:
     """Values of ``graph`` that Inductor computes inside their consumers' kernels.
 
     Args:
@@ -168,15 +173,15 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx
     heavy: dict[fx.Node, bool] = {}
     sure: set[fx.Node] = set()
     for node in graph.nodes:
-        if not _is_pointwise(node) or costs[node].owner is not node or not costs[node].nbytes or node in returned:
+        if not is_pointwise(node) or costs[node].owner is not node or not costs[node].nbytes or node in returned:
             continue
         bases = [_base(a, costs) for a in node.all_input_nodes]
-        heavy[node] = _op_name(node) in _HEAVY or any(heavy.get(b, False) and b not in sure for b in bases)
+        heavy[node] = packet_name(node) in _HEAVY or any(heavy.get(b, False) and b not in sure for b in bases)
         if absorbed_mm(node) is not None:
             sure.add(node)
             continue
         consumers = _consumers(node, costs)
-        if consumers is None or not consumers or not all(_in_generated_kernel(c) for c in consumers):
+        if consumers is None or not consumers or not all(in_generated_kernel(c) for c in consumers):
             sure.add(node)
             continue
         # Forward values a backward node reads are saved inputs of the backward program.
@@ -187,7 +192,7 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx
             continue
         if len(consumers) > 1 and (heavy[node] or len(body) > REALIZE_READS_THRESHOLD):
             continue
-        if heavy[node] and any(_numel(c) > _numel(node) for c in consumers):
+        if heavy[node] and any(numel_hint(c) > numel_hint(node) for c in consumers):
             # A transcendental body broadcast into a larger consumer (log of a softmax's
             # sum) is realized rather than recomputed per output element.
             continue
@@ -198,14 +203,7 @@ def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx
 
 def _base(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> fx.Node:
     """The value a view reads (its storage owner); the node itself otherwise."""
-    return costs[node].owner if _is_view(node, costs) else node
-
-
-def _numel(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return _hint(val.numel())
+    return costs[node].owner if is_view(node, costs) else node
 
 
 def _consumers(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> list[fx.Node] | None:
@@ -221,7 +219,7 @@ def _consumers(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> list[fx.Node] |
         seen.add(user)
         if user.op != "call_function" or user.target is operator.getitem:
             return None
-        if _is_view(user, costs):
+        if is_view(user, costs):
             stack.extend(user.users)
             continue
         out.append(user)

@@ -38,7 +38,8 @@ import torch
 import torch.fx as fx
 
 from .cost import NodeCost
-from .fusion import _POINTWISE_BODIES, _in_generated_kernel, _is_pointwise, _is_view, _op_name
+from .fusion import POINTWISE_BODIES, in_generated_kernel, is_pointwise
+from .opinfo import is_view, packet_name
 
 __all__ = ["inplace_pairs"]
 
@@ -80,7 +81,7 @@ def inplace_pairs(
     for writer in graph.nodes:
         if not _writes_in_place_capable_kernel(writer, costs, fused):
             continue
-        numel = _numel(writer)
+        numel = _static_numel(writer)
         if numel < 0:
             continue
         for buffer in _read_buffers(writer, costs, fused, numel, saved or set()):
@@ -110,12 +111,12 @@ def _is_ancestor(node: fx.Node, of: fx.Node, order: dict[fx.Node, int]) -> bool:
 def _writes_in_place_capable_kernel(node: fx.Node, costs: dict[fx.Node, NodeCost], fused: set[fx.Node]) -> bool:
     """A realized pointwise value with its own contiguous storage, in a generated kernel."""
     return (
-        _is_pointwise(node)
-        and _op_name(node) not in _POINTWISE_BODIES
+        is_pointwise(node)
+        and packet_name(node) not in POINTWISE_BODIES
         and node not in fused
         and costs[node].owner is node
         and costs[node].nbytes > 0
-        and _in_generated_kernel(node)
+        and in_generated_kernel(node)
         and _contiguous(node)
     )
 
@@ -137,15 +138,16 @@ def _read_buffers(
         if value in seen:
             continue
         seen.add(value)
-        if _numel(value) != numel or not _contiguous(value):
+        if _static_numel(value) != numel or not _contiguous(value):
             continue
-        if value.op == "call_function" and _is_view(value, costs):
+        if value.op == "call_function" and is_view(value, costs):
             stack.extend(value.all_input_nodes[:1])
         elif value in fused:
-            if _op_name(value) not in _POINTWISE_BODIES:
+            if packet_name(value) not in POINTWISE_BODIES:
                 stack.extend(value.all_input_nodes)
-        elif costs[value].owner is value and costs[value].nbytes > 0 and (value.op == "call_function" or value in saved):
-            found.append(value)
+        elif costs[value].owner is value and costs[value].nbytes > 0:
+            if value.op == "call_function" or value in saved:
+                found.append(value)
     return found
 
 
@@ -159,7 +161,7 @@ def _reading_kernels(buffer: fx.Node, costs: dict[fx.Node, NodeCost], fused: set
         if user in seen:
             continue
         seen.add(user)
-        if user.op == "call_function" and (_is_view(user, costs) or user in fused):
+        if user.op == "call_function" and (is_view(user, costs) or user in fused):
             stack.extend(user.users)
         else:
             kernels.add(user)
@@ -180,7 +182,7 @@ def _static(val: torch.Tensor) -> bool:
     return not any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride()))
 
 
-def _numel(node: fx.Node) -> int:
+def _static_numel(node: fx.Node) -> int:
     """Elements of a statically shaped tensor value; -1 for anything else (never a candidate)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not _static(val):

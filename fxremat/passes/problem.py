@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .._torch_compat import is_sym_node
+from .._torch_compat import is_sym_node, op_schema
 from ..solvers.types import BACKWARD, FORWARD, Decision, RematProblem
 from .cost import NodeCost
 
@@ -47,7 +47,7 @@ def never_recompute_reason(node: fx.Node) -> str | None:
     tags = getattr(target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags and not _randomness_off(node):
         return "random op (its RNG state is not replayed)"
-    schema = getattr(target, "_schema", None)
+    schema = op_schema(target)
     if schema is not None and schema.is_mutable:
         return "mutates its input"
     if getattr(target, "namespace", None) == "_c10d_functional":
@@ -61,7 +61,7 @@ def never_recompute_reason(node: fx.Node) -> str | None:
 
 def _randomness_off(node: fx.Node) -> bool:
     """A seeded op called so that it draws nothing: attention with dropout_p=0, dropout with p=0 or train=False."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return False
     values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}

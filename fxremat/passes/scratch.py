@@ -15,63 +15,19 @@ that cannot run on synthetic inputs, get 0 for those nodes.
 from __future__ import annotations
 
 import logging
-import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from .._torch_compat import EventType, disable_current_modes
+from .._torch_compat import EventType, op_schema, profiler_is_enabled
 from ..quiet import quiet_stderr
+from .opinfo import is_op_call, nbytes_hint
+from .oprun import MAX_STANDALONE_BYTES, op_signature, real_tensors, standalone_call
 
-__all__ = ["measure_scratch", "MAX_CALIBRATION_BYTES"]
+__all__ = ["measure_scratch"]
 
 log = logging.getLogger(__name__)
-
-# Calibration allocates each op's inputs for real; skip ops whose inputs and
-# outputs together exceed this (1 GiB), so planning never risks an OOM itself.
-MAX_CALIBRATION_BYTES = 1 << 30
-
-
-def _hint(x) -> int:
-    return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else int(x)
-
-
-def _materialize(val, device_override=None):
-    """A real tensor shaped like a FakeTensor ``val`` (zeros for ints and bools: valid indices)."""
-    shape = [_hint(s) for s in val.shape]
-    stride = [_hint(s) for s in val.stride()]
-    device = device_override or val.device
-    # Fill the backing storage, then view it: expanded (stride 0) tensors cannot be written.
-    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
-    flat = torch.empty(extent, dtype=val.dtype, device=device)
-    if val.dtype.is_floating_point or val.dtype.is_complex:
-        flat.uniform_(0.1, 1.0)  # positive: safe for log, sqrt, division
-    else:
-        flat.zero_()
-    return flat.as_strided(shape, stride)
-
-
-def _signature(node: fx.Node) -> tuple:
-    def sig(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                return ("T", tuple(_hint(s) for s in v.shape), tuple(_hint(s) for s in v.stride()), v.dtype)
-            return ("V", repr(v))
-        return ("C", repr(a))
-
-    args = fx.node.map_aggregate(node.args, sig)
-    kwargs = fx.node.map_aggregate(node.kwargs, sig)
-    return (node.target, repr(args), repr(kwargs))
-
-
-def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return _hint(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -86,22 +42,22 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     first: dict[tuple, fx.Node] = {}
     keyed: list[tuple[fx.Node, tuple]] = []
     for node in nodes:
-        if node.op != "call_function" or node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload):
+        if not is_op_call(node):
             continue
         val = node.meta.get("val")
         tensors = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
         devices = {t.device.type for t in tensors}
         if not tensors or "meta" in devices or len(devices) > 1:
             continue
-        if _nbytes(val) + sum(_nbytes(t) for t in tensors) > MAX_CALIBRATION_BYTES:
+        if nbytes_hint(val) + nbytes_hint(tensors) > MAX_STANDALONE_BYTES:
             continue
-        key = _signature(node)
+        key = op_signature(node)
         first.setdefault(key, node)
         keyed.append((node, key))
     if not first:
         return {}
     # Real tensors (outside AOTAutograd's fake mode); random ops must not move the user's RNG.
-    with disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
+    with real_tensors():
         cuda = [k for k, n in first.items() if _device(n).type == "cuda"]
         cpu = [k for k in first if k not in set(cuda)]
         measured = {k: _run_cuda(first[k]) for k in cuda}
@@ -113,32 +69,25 @@ def _device(node: fx.Node) -> torch.device:
     return next(a.meta["val"].device for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
 
 
-def _prepare(node: fx.Node):
-    real = {}
-    for a in node.all_input_nodes:
-        v = a.meta.get("val")
-        real[a] = _materialize(v) if isinstance(v, torch.Tensor) else v
-    args = fx.node.map_arg(node.args, lambda a: real[a])
-    kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
-    op = node.target
-    # Only OpOverload call_function nodes are measured (see ``measure_scratch``).
-    assert callable(op), f"{node.format_node()}: target is not callable"
-    return lambda: op(*args, **kwargs)
-
-
 def _scratch(node: fx.Node, peak: int, out) -> int:
     # The simulation allocates a single tensor output at the node itself, but the
     # elements of a tuple output at the getitems that follow: count those as scratch
     # of the node, so the moment the op runs carries its whole peak.
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     aliased = schema is not None and schema.returns and schema.returns[0].alias_info is not None
-    produced = 0 if aliased or not isinstance(out, torch.Tensor) else _nbytes(out)
+    produced = 0 if aliased or not isinstance(out, torch.Tensor) else nbytes_hint(out)
     return max(0, peak - produced)
+
+
+def _call(node: fx.Node) -> Callable[[], object]:
+    # Symbolic-int arguments go to the op unevaluated, so the op guards them to the sizes
+    # scratch is measured at: under dynamic shapes a new size recompiles and is measured anew.
+    return standalone_call(node, keep_symints=True)
 
 
 def _run_cuda(node: fx.Node) -> int:
     try:
-        call = _prepare(node)
+        call = _call(node)
         device = _device(node)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -153,16 +102,17 @@ def _run_cuda(node: fx.Node) -> int:
 
 def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
     """Run every op once inside one profiler session, each under its own marker."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_is_enabled():
         # A profiler is already running (compiling inside fxremat.measure or a user's
         # trace): sessions do not nest, so CPU workspace is unknown for this graph.
         log.info("a profiler is active: op scratch not measured for this graph (counted as 0)")
         return {}
     outs: dict[int, object] = {}
-    with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with quiet_stderr(), torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         for i, (_, node) in enumerate(items):
             try:
-                call = _prepare(node)
+                call = _call(node)
                 with torch.profiler.record_function(f"{_MARKER}{i}"):
                     out = call()
                 outs[i] = out
@@ -175,6 +125,7 @@ def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
     return result
 
 
+# Prefix of the profiler range around each op's run; ``_collect`` finds the runs by it.
 _MARKER = "fxremat.scratch."
 
 

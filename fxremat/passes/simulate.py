@@ -15,7 +15,8 @@ import torch.fx as fx
 
 from ..solvers.schedule import Timeline, liveness
 from ..solvers.types import BACKWARD, FORWARD, RematProblem
-from .cost import Hardware, annotate
+from ..hardware import Hardware
+from .cost import annotate
 from .fusion import fused_nodes
 from .inplace import inplace_pairs
 from .problem import inplace_ids, is_tangent

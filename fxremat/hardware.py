@@ -1,8 +1,12 @@
-"""The ``cpu`` hardware profile, measured once on this host and cached.
+"""Hardware profiles for the cost model's time estimate, and the ``cpu`` microbenchmark.
 
-A short microbenchmark (about half a second) measures the rates that graph ops
-actually reach here, each the way the graph runs it (an aten op called from
-Python, allocating its output, on torch's current thread count):
+A ``Hardware`` holds the rates of one device: ``a100``, ``h100`` and ``h200``
+come from datasheets; ``cpu`` is this host, measured once and cached.
+
+The ``cpu`` profile: a short microbenchmark (about half a second) measures the
+rates that graph ops actually reach here, each the way the graph runs it (an
+aten op called from Python, allocating its output, on torch's current thread
+count):
 
 - ``launch_seconds``: the median over a dozen kinds of op a layer runs (add, gelu,
   layer norm, softmax, addmm, attention, ...) of one call's time at 16 tokens x 64
@@ -14,7 +18,7 @@ Python, allocating its output, on torch's current thread count):
 - ``bandwidth``: ``aten.add`` of two 8 MiB tensors into a new output (bytes read
   plus written per second; most activations of small models sit in cache);
 - ``fresh_bandwidth``: the first write to a new 64 MiB block (page faults; glibc
-  maps every block of 32 MiB or more afresh, see ``cost.FRESH_OUTPUT_BYTES``).
+  maps every block of 32 MiB or more afresh, see ``FRESH_OUTPUT_BYTES``).
 
 Each rate is the median of a few reps: what the op typically reaches on this
 host as loaded at the time. A shared host changes speed with its neighbours'
@@ -30,21 +34,91 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .._torch_compat import disable_current_modes
+from ._torch_compat import disable_current_modes
 
-__all__ = ["measure_cpu", "cache_path", "CACHE_VERSION"]
+__all__ = ["Hardware", "HARDWARE", "FRESH_OUTPUT_BYTES", "get_hardware", "measure_cpu", "cache_path", "CACHE_VERSION"]
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates of a device for the roofline time estimate."""
+
+    name: str
+    peak_flops: float
+    """FLOP/s for the dtype the model trains in (dense matmul)."""
+    bandwidth: float
+    """Bytes/s that ops read and write at."""
+    launch_seconds: float
+    """Fixed cost of running one op (kernel launch, or dispatch on CPU)."""
+    attention_flops: float | None = None
+    """FLOP/s of fused attention kernels, counted as ``torch.utils.flop_counter``
+    counts them (the whole s x s score matrix, causal or not); None: ``peak_flops``."""
+    view_seconds: float = 0.0
+    """Cost of a view op (no data moved): its dispatch on CPU; 0 on GPUs, where the
+    host-side dispatch overlaps the kernels already queued."""
+    fresh_bandwidth: float = math.inf
+    """Bytes/s at which an op first writes an output of at least ``FRESH_OUTPUT_BYTES``
+    (page faults on freshly mapped memory); inf where the allocator caches memory (GPUs)."""
+
+
+# glibc's malloc serves every block of at least 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX
+# on 64-bit, mallopt(3)) with a fresh mmap, and PyTorch's CPU allocator does not
+# cache: such an output is page-faulted in on every step (docs/COST_MODEL.md).
+FRESH_OUTPUT_BYTES = 32 << 20
+
+HARDWARE = {
+    # This host, measured once by a microbenchmark and cached (``measure_cpu`` below).
+    "cpu": None,
+    # NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e; ~5 us per kernel launch.
+    "a100": Hardware("a100", 312e12, 2.0e12, 5e-6),
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3.
+    "h100": Hardware("h100", 989e12, 3.35e12, 5e-6),
+    # NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e.
+    "h200": Hardware("h200", 989e12, 4.8e12, 5e-6),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """The named profile (``cpu`` is measured on first use, then read from its cache).
+
+    Args:
+        name: a key of ``HARDWARE``.
+
+    Returns:
+        The profile's rates.
+
+    Raises:
+        ValueError: ``name`` is not a profile; the message lists the valid ones.
+
+    Example:
+        >>> get_hardware("h100").peak_flops
+        989000000000000.0
+    """
+    if name not in HARDWARE:
+        raise ValueError(f"hardware={name!r} is not a known profile; choose one of {sorted(HARDWARE)}")
+    if name == "cpu":
+        return Hardware("cpu", **measure_cpu())
+    profile = HARDWARE[name]
+    assert profile is not None  # only "cpu" is measured rather than listed
+    return profile
+
+
+# ------------------------------------------------------------ the cpu microbenchmark
+
 # Bump when what is measured changes, so stale profiles are not reused.
-# v2: per-op fixed cost of a layer's op mix, view dispatch, layer-shaped matmul, attention, pointwise bandwidth, fresh pages.
+# v2: per-op fixed cost of a layer's op mix, view dispatch, layer-shaped matmul, attention,
+# pointwise bandwidth, fresh pages.
 CACHE_VERSION = 2
 # A layer's matmul: 1024 tokens x hidden 512 -> 1024 (1.07 GFLOP, 6-25 ms on 1-2
 # threads here). Small-model matmuls reach less than huge ones; this is the middle.
@@ -140,6 +214,10 @@ def _measure() -> dict[str, float]:
     }
 
 
+# The fields a cached profile must have (the Hardware fields measure_cpu fills).
+_FIELDS = {"peak_flops", "attention_flops", "bandwidth", "launch_seconds", "view_seconds", "fresh_bandwidth"}
+
+
 def measure_cpu() -> dict[str, float]:
     """This host's rates as ``Hardware`` fields (peak_flops, attention_flops, bandwidth,
     launch_seconds, view_seconds, fresh_bandwidth), from the cache when present.
@@ -164,11 +242,10 @@ def measure_cpu() -> dict[str, float]:
     except OSError as exc:  # a read-only home: measure again next time, say so
         log.info("could not cache the cpu profile at %s: %s", path, exc)
     log.info(
-        "cpu profile in %.2f s: %.1f GFLOP/s (attention %.1f), %.1f GB/s, %.1f us/op, %.1f us/view, %.2f GB/s fresh pages",
+        "cpu profile in %.2f s: %.1f GFLOP/s (attention %.1f), %.1f GB/s, %.1f us/op, %.1f us/view, "
+        "%.2f GB/s fresh pages",
         time.perf_counter() - t0, data["peak_flops"] / 1e9, data["attention_flops"] / 1e9, data["bandwidth"] / 1e9,
         data["launch_seconds"] * 1e6, data["view_seconds"] * 1e6, data["fresh_bandwidth"] / 1e9,
     )
     return data
 
-
-_FIELDS = {"peak_flops", "attention_flops", "bandwidth", "launch_seconds", "view_seconds", "fresh_bandwidth"}
