@@ -25,7 +25,7 @@ from .budget import BudgetError, format_bytes
 from .options import Options
 from .passes.apply import apply_decision
 from .passes.calibrate import calibrate_costs
-from .hardware import Hardware, get_hardware
+from .hardware import get_hardware
 from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
 from .passes.inplace import inplace_pairs
@@ -68,7 +68,6 @@ class Analysis:
     costs: dict[fx.Node, NodeCost]
     scratch: dict[str, int]
     """Measured op workspace by node name (nodes keep their names in the programs)."""
-    hardware: Hardware
     fusion: bool
     """Model Inductor's fusion and in-place reuse (inner="inductor")."""
     num_fwd_outputs: int
@@ -165,8 +164,7 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     if options.budget is not None:
         # A plan is checked at concrete sizes; each new size recompiles and is planned anew.
         specialize_sizes(joint)
-    hardware = get_hardware(options.hardware)
-    costs = annotate(joint, hardware)
+    costs = annotate(joint, get_hardware(options.hardware))
     if options.calibrate:
         costs = calibrate_costs(joint, costs)
     seconds["cost"], t = time.perf_counter() - t, time.perf_counter()
@@ -179,7 +177,7 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     graph = build_problem(joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
     seconds["problem"] = time.perf_counter() - t
     return Analysis(
-        joint, graph, costs, {n.name: b for n, b in scratch.items() if b}, hardware, fusion, num_fwd_outputs,
+        joint, graph, costs, {n.name: b for n, b in scratch.items() if b}, fusion, num_fwd_outputs,
         info.static_lifetime_input_nodes, recomputes_rng, seconds,
     )
 
@@ -191,8 +189,8 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
         static_lifetime_input_nodes=analysis.static_lifetime_input_nodes, recomputes_rng=analysis.recomputes_rng,
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
-    sim = simulate(fw, bw, analysis.num_fwd_outputs, analysis.hardware, analysis.scratch,
-                   fusion=analysis.fusion, outputs_released=options.release_outputs)
+    sim = simulate(fw, bw, analysis.num_fwd_outputs, analysis.scratch, fusion=analysis.fusion,
+                   outputs_released=options.release_outputs)
     peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if analysis.fusion else sim.peak
     return Lowered(decision, fw, bw, sim, peak)
 

@@ -126,7 +126,7 @@ def _cpu_sdpa_flops(args_vals, backward: bool):
     return forward * 5 // 2 if backward else forward  # exact: forward is even
 
 
-def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
+def annotate(gm: fx.GraphModule, hardware: Hardware | None) -> dict[fx.Node, NodeCost]:
     """Compute a NodeCost for every node of ``gm`` (placeholders cost nothing).
 
     Time is ``max(flops / peak_flops, bytes_moved / bandwidth) + launch_seconds``
@@ -138,7 +138,7 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
 
     Args:
         gm: a graph whose nodes carry FakeTensor ``meta["val"]`` (AOTAutograd's joint graph).
-        hardware: the profile for time estimates.
+        hardware: the profile for time estimates; None for bytes only (every ``seconds`` is 0).
 
     Returns:
         A side table from node to its cost record, in graph order.
@@ -160,7 +160,7 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
         source = alias_source(node)
         if source is not None and source in costs:
             owner = costs[source].owner
-            seconds = 0.0 if node.target is operator.getitem else hardware.view_seconds
+            seconds = 0.0 if node.target is operator.getitem or hardware is None else hardware.view_seconds
             costs[node] = NodeCost(0, owner, 0, 0, seconds, module_path(node), op)
             continue
         tensors = tensors_of(val)
@@ -173,7 +173,7 @@ def annotate(gm: fx.GraphModule, hardware: Hardware) -> dict[fx.Node, NodeCost]:
         raw_moved = 0 if getitem else sum(_raw_bytes(t) for t in inputs) + sum(_raw_bytes(t) for t in tensors)
         nbytes, flops, moved = size_hint(raw_nbytes), size_hint(raw_flops), size_hint(raw_moved)
         seconds = 0.0
-        if not getitem:
+        if not getitem and hardware is not None:
             rate = hardware.peak_flops
             if hardware.attention_flops and _is_attention(node):
                 rate = hardware.attention_flops

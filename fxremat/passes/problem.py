@@ -20,7 +20,7 @@ from ..solvers.types import BACKWARD, FORWARD, Decision, RematProblem
 from .cost import NodeCost
 
 __all__ = [
-    "ProblemGraph", "build_problem", "inplace_ids", "is_tangent", "never_recompute_reason", "saved_nodes", "specialize_sizes",
+    "ProblemGraph", "build_problem", "assemble", "storages", "inplace_ids", "is_tangent", "never_recompute_reason", "saved_nodes", "specialize_sizes",
 ]
 
 
@@ -149,56 +149,87 @@ def build_problem(
             forward_nodes.add(n)
     layer_of = _layers(nodes, forward_nodes)
 
-    phase, inputs, nbytes, storage, seconds, flops = [], [], [], [], [], []
-    must_save, never, must_recompute, layer = [], [], [], []
+    phase = [FORWARD if n in forward_nodes else BACKWARD for n in nodes]
+    storage = storages(nodes, ids, costs)
+    must_save, never, must_recompute = [], [], []
     never_set: set[int] = set()
     for i, n in enumerate(nodes):
-        fwd = n in forward_nodes
-        phase.append(FORWARD if fwd else BACKWARD)
-        inputs.append(tuple(sorted({ids[a] for a in n.all_input_nodes if a in ids})))
-        cost = costs[n]
-        owner = cost.owner
-        storage.append(ids[owner] if owner in ids else i)
-        # A value aliasing a graph input (a parameter's view) allocates nothing.
-        nbytes.append(cost.nbytes if owner is n else 0)
-        seconds.append(cost.seconds)
-        flops.append(cost.flops)
-        layer.append(layer_of.get(n, -1))
-        if not fwd:
+        if phase[i] != FORWARD:
             continue
         policy = n.meta.get("recompute")
         parent = n.args[0] if n.target is operator.getitem else None
         if is_sym_node(n) or policy == CheckpointPolicy.MUST_SAVE:
             # A view is saved through its storage (one saved value per storage: schedule.close).
-            owner_id = storage[i]
-            must_save.append(owner_id if phase[owner_id] == FORWARD else i)
+            must_save.append(storage[i] if phase[storage[i]] == FORWARD else i)
         if is_sym_node(n) or never_recompute_reason(n) is not None or (parent is not None and ids.get(parent) in never_set):
             never.append(i)
             never_set.add(i)
         elif policy == CheckpointPolicy.MUST_RECOMPUTE or isinstance(n.meta.get("val"), (tuple, list)):
             # A tuple cannot be saved for the backward; its elements (getitems) can.
             must_recompute.append(i)
-    problem = RematProblem(
-        names=tuple(n.name for n in nodes),
-        phase=tuple(phase),
-        inputs=tuple(inputs),
-        nbytes=tuple(nbytes),
-        storage=tuple(storage),
-        seconds=tuple(seconds),
-        flops=tuple(flops),
-        fw_outputs=tuple(fw_outputs),
-        bw_outputs=tuple(bw_outputs),
-        tangents=tuple(ids[n] for n in nodes if is_tangent(n)),
+    problem = assemble(
+        nodes, ids, costs, phase, fw_outputs, bw_outputs, [ids[n] for n in nodes if is_tangent(n)],
+        scratch_by_name={n.name: b for n, b in (scratch or {}).items()}, fused=fused or (),
+        outputs_released=outputs_released, inplace=inplace or (),
         must_save=tuple(sorted(set(must_save))),
         never_recompute=tuple(never),
         must_recompute=tuple(must_recompute),
-        layer=tuple(layer),
-        scratch=tuple((scratch or {}).get(n, 0) for n in nodes),
-        fused=tuple(sorted(ids[n] for n in (fused or ()) if n in ids and storage[ids[n]] == ids[n])),
-        outputs_released=outputs_released,
-        inplace=inplace_ids(inplace or (), ids, storage, nbytes),
+        layer=tuple(layer_of.get(n, -1) for n in nodes),
     )
     return ProblemGraph(problem, tuple(nodes))
+
+
+def storages(nodes: list[fx.Node], ids: dict[fx.Node, int], costs: dict[fx.Node, NodeCost]) -> list[int]:
+    """The id of the node owning each node's storage (its own id when it allocates).
+
+    An alias of something that is not a node (a graph input) owns itself with no
+    bytes; an alias of an alias lives in the first owner.
+    """
+    storage = []
+    for i, n in enumerate(nodes):
+        owner = ids.get(costs[n].owner)
+        storage.append(owner if owner is not None and owner <= i else i)
+    return [storage[s] for s in storage]
+
+
+def assemble(nodes: list[fx.Node], ids: dict[fx.Node, int], costs: dict[fx.Node, NodeCost], phase: list[int],
+             fw_outputs, bw_outputs, tangents, *, scratch_by_name: dict[str, int], fused, outputs_released: bool,
+             inplace, **tags) -> RematProblem:
+    """The one ``RematProblem`` builder, for the joint graph and for the programs that run.
+
+    Args:
+        nodes: the nodes that become ids, in execution order.
+        ids: node -> id; may map more nodes than ``nodes`` (a backward program's
+            saved-value placeholders stand for the forward nodes they receive).
+        costs: cost records of every node in ``ids``.
+        phase: ``FORWARD``/``BACKWARD`` per id.
+        fw_outputs, bw_outputs, tangents: ids of the user outputs, returned gradients, gradient inputs.
+        scratch_by_name: measured op workspace by node name.
+        fused: nodes the inner compiler computes inside their consumers.
+        outputs_released: the caller drops the user outputs before the backward.
+        inplace: (writer, buffer) node pairs that may reuse a dying buffer.
+        **tags: ``must_save``, ``never_recompute``, ``must_recompute``, ``layer``.
+    """
+    storage = storages(nodes, ids, costs)
+    # A value aliasing a graph input (a parameter's view) allocates nothing.
+    nbytes = [costs[n].nbytes if costs[n].owner is n else 0 for n in nodes]
+    return RematProblem(
+        names=tuple(n.name for n in nodes),
+        phase=tuple(phase),
+        inputs=tuple(tuple(sorted({ids[a] for a in n.all_input_nodes if a in ids and ids[a] < i})) for i, n in enumerate(nodes)),
+        nbytes=tuple(nbytes),
+        storage=tuple(storage),
+        seconds=tuple(costs[n].seconds for n in nodes),
+        flops=tuple(costs[n].flops for n in nodes),
+        fw_outputs=tuple(sorted(fw_outputs)),
+        bw_outputs=tuple(sorted(bw_outputs)),
+        tangents=tuple(tangents),
+        scratch=tuple(scratch_by_name.get(n.name, 0) for n in nodes),
+        fused=tuple(sorted(ids[n] for n in fused if n in ids and storage[ids[n]] == ids[n])),
+        outputs_released=outputs_released,
+        inplace=inplace_ids(inplace, ids, storage, nbytes),
+        **tags,
+    )
 
 
 def inplace_ids(pairs, ids: dict, storage, nbytes) -> tuple[tuple[int, int], ...]:
