@@ -32,7 +32,6 @@ __all__ = [
     "ShortenTraceback",
     "disable_current_modes",
     "inductor_lowering",
-    "current_frame_id",
     "inductor_kernel_args",
     "inductor_graph_lowering",
     "tree_leaves",
@@ -73,8 +72,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E4
 # Which aten ops Inductor lowers into generated kernels, and which run as extern or
 # fallback kernels that need their inputs materialized (the fusion model of passes/fusion.py).
 from torch._inductor import lowering as inductor_lowering  # noqa: E402
-# Dynamo's frame id for the graph being compiled: recompiles of one frame are not graph breaks.
-from torch._guards import CompileContext as _CompileContext  # noqa: E402
 # Tests record the in-place reuses Inductor's scheduler decides (KernelArgs.make_inplace).
 from torch._inductor.codegen.common import KernelArgs as inductor_kernel_args  # noqa: E402
 # Tests read which buffers Inductor's scheduler fused away (GraphLowering.removed_buffers).
@@ -96,12 +93,6 @@ def no_autograd_cache():
     """AOTAutograd's cache would serve a partitioned graph without calling the partitioner
     (no Plan to inspect); with it off the joint graph is re-planned."""
     return functorch_config.patch(enable_autograd_cache=False)
-
-
-def current_frame_id() -> int | None:
-    """Dynamo's frame id of the graph being compiled, or None outside a compile."""
-    compile_id = _CompileContext.current_compile_id()
-    return None if compile_id is None else compile_id.frame_id
 
 
 def prepare_joint(joint: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:

@@ -31,8 +31,9 @@ from ._torch_compat import (
 )
 from .budget import BudgetError
 from .options import Options
-from .planner import partition
+from .planner import partition, watch
 from .recorder import plans
+from .steps import track
 from .verify import input_names, verified
 
 __all__ = ["backend", "fxremat_backend", "FxrematPartitioner", "build_compiler", "eager_compiler"]
@@ -103,7 +104,9 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     """The one compile pipeline, for ``torch.compile`` and ``fxremat.explain`` alike.
 
     Dynamo's graph -> AOTAutograd (joint graph) -> fxremat's planner -> the inner
-    compiler: Inductor (its joint passes, then its code generation) or eager fx code.
+    compiler: Inductor (its joint passes, then its code generation) or eager fx code;
+    the result is watched as it runs (``steps.track``: the budget the running step
+    leaves a graph, and the outputs the caller drops before backward).
 
     Args:
         options: validated options.
@@ -116,6 +119,15 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     """
 
     def compile_graph(gm: fx.GraphModule, example_inputs):
+        return track(gm, example_inputs, options, compile_planned)
+
+    def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
+        """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""
+        with watch() as planned:
+            compiled = compile_inner(gm, example_inputs, options)
+        return compiled, (planned[-1][2] if planned else None)
+
+    def compile_inner(gm: fx.GraphModule, example_inputs, options: Options):
         if options.inner == "eager":
             return aot_autograd(
                 fw_compiler=program_compiler or eager_compiler,

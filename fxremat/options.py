@@ -57,12 +57,13 @@ class Options:
     """Time each distinct op of the joint graph once on the graph's device (a few reps,
     median) and use those times instead of the ``hardware`` roofline; ops that cannot
     run standalone (random, in-place, effectful) keep the roofline estimate."""
-    release_outputs: bool = False
-    """The caller drops the forward's outputs before the backward (``loss = model(x).loss``
-    drops the logits; so does ``transformers.Trainer``): plan them as freed when the
-    backward starts. Off (default), outputs count as alive to the step's end; turn it on
-    only when nothing holds them through backward, or the step can exceed the budget by
-    their size."""
+    release_outputs: bool | None = None
+    """Whether the caller drops the forward's outputs before the backward (``loss =
+    model(x).loss`` drops the logits; so does ``transformers.Trainer``). None (default):
+    watch the first step; outputs count as alive until a backward shows they were dropped,
+    then the graph is planned again with them freed when the backward starts. True or
+    False fixes the assumption (True while outputs are held can exceed the budget by
+    their size)."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
@@ -158,6 +159,7 @@ _VALIDATE = {
     "on_error": _one_of(ON_ERROR),
     "time_limit": _seconds,
     "dump_dir": _path,
+    "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
 }
 # Options the environment supplies when the mapping does not.
 _FROM_ENV = {

@@ -119,7 +119,8 @@ def watch():
     try:
         yield seen
     finally:
-        _WATCHERS.remove(seen)
+        # By identity: two watchers' lists may be equal (both empty).
+        del _WATCHERS[next(i for i, w in enumerate(_WATCHERS) if w is seen)]
 
 
 def partition(joint: fx.GraphModule, joint_inputs, *, options: Options, num_fwd_outputs: int,
@@ -174,7 +175,7 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     forward = set(info.required_fw_nodes)
     fused = fused_nodes(joint.graph, costs, forward) if fusion else set()
     pairs = inplace_pairs(joint.graph, costs, fused, forward) if fusion else []
-    graph = build_problem(joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs, pairs)
+    graph = build_problem(joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs is True, pairs)
     seconds["problem"] = time.perf_counter() - t
     return Analysis(
         joint, graph, costs, {n.name: b for n, b in scratch.items() if b}, fusion, num_fwd_outputs,
@@ -190,7 +191,7 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
     sim = simulate(fw, bw, analysis.num_fwd_outputs, analysis.scratch, fusion=analysis.fusion,
-                   outputs_released=options.release_outputs)
+                   outputs_released=options.release_outputs is True)
     peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if analysis.fusion else sim.peak
     return Lowered(decision, fw, bw, sim, peak)
 

@@ -1,4 +1,4 @@
-"""The plans this process made: naming, a bounded history, graph-break bookkeeping, dumps.
+"""The plans this process made: naming, a bounded history, dumps.
 
 ``fxremat.plans()`` reads from here. Planning (``planner.py``) hands each
 finished plan to ``record``; nothing below the planner touches this state.
@@ -13,7 +13,6 @@ import warnings
 from collections import deque
 from pathlib import Path
 
-from ._torch_compat import current_frame_id
 from .budget import format_bytes
 from .options import Options
 from .plan import Plan
@@ -31,10 +30,6 @@ _LOCK = threading.Lock()
 _PLANS: deque[Plan] = deque(maxlen=MAX_PLANS)
 # Names are unique in the process, also across clear_plans(): "graph 14" is one graph.
 _NAMES = itertools.count()
-# Dynamo frame of each recorded plan, by plan name: a recompile of one frame (new sizes)
-# replaces its graph, while a graph break starts a new frame.
-_FRAME_OF: dict[str, int | None] = {}
-_WARNED_SHARED: set[str] = set()
 
 
 def new_graph_name() -> str:
@@ -72,15 +67,11 @@ def clear_plans() -> None:
     """
     with _LOCK:
         _PLANS.clear()
-        _FRAME_OF.clear()
 
 
 def record(plan: Plan, options: Options) -> None:
-    """Remember ``plan``, warn when graphs of one step share a budget, and save it where asked."""
-    frame = current_frame_id()
-    _warn_if_shared_budget(plan, options, frame)
+    """Remember ``plan`` and save it where asked (graphs of one step share the budget: ``steps.py``)."""
     with _LOCK:
-        _FRAME_OF[plan.graph] = frame
         _PLANS.append(plan)
     log.info(
         "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
@@ -93,24 +84,3 @@ def record(plan: Plan, options: Options) -> None:
             plan.save(Path(options.dump_dir) / plan.graph.replace(" ", "_"))
         except OSError as exc:  # the plan is good and will run; only its files are missing
             warnings.warn(f"fxremat could not save {plan.graph}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=3)
-
-
-def _warn_if_shared_budget(plan: Plan, options: Options, frame: int | None) -> None:
-    """Warn once per option set when graphs of different frames are planned under one budget.
-
-    Graph breaks split a step into several graphs (Dynamo frames); each is planned under
-    the whole budget, because a graph cannot see what the others keep alive. Recompiles
-    of one frame (a new sequence length, a changed thread count) do not warn.
-    """
-    if options.budget is None or options.key() in _WARNED_SHARED:
-        return
-    earlier = [p for p in plans() if p.budget == options.budget and _FRAME_OF.get(p.graph) != frame]
-    if earlier:
-        _WARNED_SHARED.add(options.key())
-        warnings.warn(
-            f"fxremat planned {plan.graph} under budget {format_bytes(options.budget)} after "
-            f"{len(earlier)} other graph(s) with the same budget. If they run in one training step "
-            "(graph breaks), each is planned under the whole budget and the step can peak above it; "
-            "remove the breaks (torch._dynamo.explain) for one budget over the whole step.",
-            stacklevel=4,
-        )

@@ -200,7 +200,7 @@ def _check(mode, runs, reference, budget):
         assert outcome["status"] == "ok", f"rank {rank}: {outcome['status']}"
         assert outcome["plans"], f"rank {rank}: fxremat planned no graph"
         for plan in outcome["plans"]:
-            assert plan["budget"] == budget, plan
+            assert plan["budget"] <= budget, plan  # later pieces of a step get what earlier ones leave
             assert plan["feasible"] and plan["predicted_peak"] <= budget, plan["summary"]
         grads = torch.load(out / f"{mode}_grads{rank}.pt")
         assert grads.keys() == reference.keys()
@@ -209,7 +209,7 @@ def _check(mode, runs, reference, budget):
 
 
 def test_ddp_gloo_matches_single_process(runs, reference, budget):
-    """DDP over gloo, the graph split at bucket boundaries: every piece planned under the whole budget."""
+    """DDP over gloo, the graph split at bucket boundaries: the pieces of a step share the budget."""
     _check("ddp", runs, reference, budget)
     for result in runs[1]:
         assert len(result["ddp"]["plans"]) >= 2, [p["summary"] for p in result["ddp"]["plans"]]

@@ -529,34 +529,29 @@ class Broken(nn.Module):
         return self.c(torch.tanh(self.b(h)).square()).mean()
 
 
-def test_graph_break_each_graph_planned_under_the_whole_budget():
-    """Each graph gets its own plan under the whole budget.
-
-    So the step as a whole can peak above the budget (graph 1's saved values
-    stay alive while graph 2 runs forward and backward): today ~1.4x for this
-    model. fxremat must then say so (a warning that graphs share a budget).
-    """
+def test_graph_break_graphs_share_the_budget():
+    """Graph 1's saved values stay alive while graph 2 runs forward and backward: graph 2 is
+    planned under the budget less what graph 1 holds, and after the first step (where
+    graph 1 had taken the whole budget and is then planned again) the step fits."""
     torch.manual_seed(0)
     base, inputs = Broken(), (torch.randn(16, 32),)
     least, _ = _check(base, inputs, **LEAST)
     assert len(least) == 2, [p.summary() for p in least]
-    budget = max(p.predicted_peak for p in least)  # the larger graph's least peak: both fit it
+    budget = sum(p.predicted_peak for p in least)  # what the two least plans need at most, together
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     ref_loss = _step(ref, inputs)
     compiled = _compile(model, budget=budget)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first step may warn that it peaks above the budget
         loss = _step(compiled, inputs)
-    compare(ref, ref_loss, model, loss)
+        compare(ref, ref_loss, model, loss)
+        model.zero_grad(set_to_none=False)
+        _step(compiled, inputs)  # graphs asked to re-plan do so on this call
     plans = fxremat.plans()
-    assert len(plans) == 2
-    for plan in plans:
-        assert plan.budget == budget and plan.feasible and plan.predicted_peak <= budget, plan.summary()
+    assert len(plans) >= 2 and plans[1].budget < budget, [p.summary() for p in plans]
     model.zero_grad(set_to_none=False)
     measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
-    warned = any("same budget" in str(w.message) for w in caught)
-    assert measured.peak_bytes <= budget * 1.02 or warned, (
-        f"the step peaks at {measured.peak_bytes} > budget {budget} across graph breaks, without a warning")
+    assert measured.peak_bytes <= budget * 1.02, (measured.peak_bytes, budget, [p.summary() for p in plans])
 
 
 def test_no_grad_inference_and_eval():
@@ -946,9 +941,9 @@ def test_inductor_cache_hit_still_records_a_plan(inductor_cache_runs):
     assert second[1]["plans"] == 1 and second[1]["plan_budget"] == CACHE_BUDGET_A, second[1]
 
 
-def test_recompiles_of_one_frame_do_not_warn_about_graph_breaks():
-    # A changed thread count and a new batch size recompile the same frame: that is not a
-    # second graph of the step, so the "same budget" graph-break warning must stay quiet.
+def test_recompiles_of_one_frame_get_the_whole_budget():
+    # A changed thread count and a new batch size recompile the same frame after the previous
+    # step's backward: nothing else holds memory, so each plan gets the whole budget.
     torch._dynamo.reset()
     threads = torch.get_num_threads()
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -964,4 +959,5 @@ def test_recompiles_of_one_frame_do_not_warn_about_graph_breaks():
     finally:
         torch.set_num_threads(threads)
     assert len(fxremat.plans()) >= before + 2, "the frame did not recompile; the test checks nothing"
-    assert not [w for w in caught if "same budget" in str(w.message)]
+    assert not [w for w in caught if "graph break" in str(w.message)]
+    assert all(p.budget == 1 << 20 for p in fxremat.plans()[before:])

@@ -1,0 +1,243 @@
+"""What only the running step shows: which graphs hold memory while another runs, and
+whether the caller keeps a graph's outputs through its backward.
+
+Every compiled graph is wrapped (``track``). Each call that builds an autograd graph
+leaves an entry: the plan's saved bytes and weak references to the call's outputs.
+While some output is alive and the graph's backward has not started, the entry holds
+its saved activations and outputs; a graph compiled meanwhile (the graph after a
+graph break, compiled while the earlier one's forward has run) is planned under the
+budget less what the entries hold. A backward hook sees which outputs the caller
+still holds when the backward starts: a plan that assumed them alive (the default,
+an upper bound) is planned again with them released (``loss = model(x).loss``
+drops the logits), once, on the graph's next call.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .budget import BudgetError, format_bytes
+from .options import Options
+from .plan import Plan
+
+__all__ = ["track", "held", "REPLAN_MIN_SHARE"]
+
+log = logging.getLogger("fxremat")
+
+# Re-plan a graph when the outputs its plan counted as alive through the backward
+# (but the caller had dropped) are at least this share of the budget: below it the
+# plan would barely change and a recompile is not worth its time.
+REPLAN_MIN_SHARE = 0.01
+
+# Compiles a graph under options: (gm, example_inputs, options) -> (callable, plan or None).
+Compile = Callable[[torch.fx.GraphModule, list, Options], tuple[Callable, "Plan | None"]]
+
+
+@dataclass
+class _Call:
+    """One call of a compiled graph whose autograd graph may still be alive."""
+
+    graph: str
+    saved_bytes: int
+    outputs: list[weakref.ref]
+    leaves: frozenset[int]
+    """Storages of the leaf inputs (parameters) the call takes gradients of."""
+    backward_started: bool = False
+
+    def held(self) -> int:
+        """Bytes this call keeps alive: its saved activations and its live outputs."""
+        if self.backward_started:
+            return 0
+        alive = [t for t in (r() for r in self.outputs) if t is not None]
+        if not alive:  # nothing references its autograd graph: the saved tensors are gone too
+            return 0
+        return self.saved_bytes + _bytes(alive)
+
+
+_LOCK = threading.Lock()
+_CALLS: list[_Call] = []
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(storages.values())
+
+
+def held() -> list[_Call]:
+    """The calls whose backward has not run yet and that still hold memory."""
+    with _LOCK:
+        _CALLS[:] = [c for c in _CALLS if c.held()]
+        return list(_CALLS)
+
+
+def _leaves(args) -> dict[int, int]:
+    """Storage -> bytes of the leaf tensors among ``args`` that require grad (parameters)."""
+    return {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in args
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.layout == torch.strided}
+
+
+class _Graph:
+    """One compiled graph: its current program and plan, and a re-plan asked for its next call."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options: Options, compile_graph: Compile, replannable: bool) -> None:
+        self.options = options
+        self.compile_graph = compile_graph
+        self.source = copy.deepcopy(gm) if replannable else None
+        self.compiled: Callable | None = None
+        self.plan: Plan | None = None
+        self.pending: Options | None = None
+        self.released = False  # re-planned once with the outputs released
+        self.reserved: dict[frozenset, int] = {}
+
+    def ask(self, why: str, **changes) -> None:
+        """Plan this graph again on its next call, with ``changes`` to its options (they add up)."""
+        if self.source is None or self.plan is None:
+            return
+        self.pending = dataclasses.replace(self.pending or self.options, **changes)
+        log.warning("fxremat %s: %s; planning it again on its next call", self.plan.graph, why)
+
+    def reserve(self, key: frozenset, nbytes: int, user_budget: int, why: str) -> None:
+        """Keep ``nbytes`` of ``user_budget`` free for a later graph of the step (``key`` names it).
+
+        What one later graph needs while this graph's memory is alive bounds this
+        graph's whole plan, so the largest reservation counts, not their sum.
+        """
+        if self.reserved.get(key, 0) >= nbytes:
+            return
+        self.reserved[key] = nbytes
+        self.ask(why, budget=max(1, user_budget - max(self.reserved.values())))
+
+    def __call__(self, *args):
+        if self.pending is not None and self.source is not None:
+            options, self.pending = self.pending, None
+            try:
+                self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
+            except BudgetError as exc:
+                # The step as a whole does not fit: keep training at this graph's least plan, loudly.
+                options = dataclasses.replace(options, on_infeasible="min")
+                warnings.warn(f"fxremat: the graphs of this step together need more than the budget: {exc}",
+                              stacklevel=2)
+                self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
+            self.options = options
+        assert self.compiled is not None
+        out = self.compiled(*args)
+        if self.plan is not None and torch.is_grad_enabled():
+            _watch(out, args, self)
+        return out
+
+
+_GRAPHS: "weakref.WeakValueDictionary[str, _Graph]" = weakref.WeakValueDictionary()
+
+
+def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile) -> Callable:
+    """Compile ``gm`` under the budget the running step leaves it, and watch its calls.
+
+    Under a budget, what earlier graphs of the running step hold (their saved
+    activations and live outputs) is taken off the budget this graph is planned
+    under. When that leaves too little, this graph takes its least-memory plan
+    and the graphs holding the memory are planned again, from their next call,
+    under the budget less what this graph needs: this first step may exceed the
+    budget (a warning says by how much), later steps fit.
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs.
+        options: the user's options.
+        compile_graph: the compile pipeline (``backend.build_compiler``'s).
+
+    Returns:
+        The callable Dynamo runs in place of the graph.
+    """
+    graph = _Graph(gm, options, compile_graph, replannable=options.budget is not None)
+    calls = held() if options.budget is not None else []
+    holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
+    planned = options
+    if not holding:
+        graph.compiled, graph.plan = compile_graph(gm, example_inputs, planned)
+    else:
+        assert options.budget is not None and graph.source is not None
+        budget = options.budget
+        planned = dataclasses.replace(options, budget=max(1, budget - holding))
+        mine = _leaves(example_inputs)
+        key = frozenset(mine)
+        try:
+            graph.compiled, graph.plan = compile_graph(gm, example_inputs, planned)
+        except BudgetError as exc:
+            need = exc.least_peak
+            if need > budget:
+                raise BudgetError(budget, need, where=f"a graph run while {', '.join(holders)} hold memory") from None
+            planned = dataclasses.replace(planned, on_infeasible="min")
+            graph.compiled, graph.plan = compile_graph(copy.deepcopy(graph.source), example_inputs, planned)
+            _reserve(holders, key, need, budget, f"it holds memory while a later graph of the step needs {format_bytes(need)}")
+            warnings.warn(
+                f"fxremat: a graph compiled after {', '.join(holders)} in one step (a graph break) needs "
+                f"{format_bytes(need)} while they hold {format_bytes(holding)}: this first step can peak "
+                f"{format_bytes(holding + need - budget)} above the budget {format_bytes(budget)}; "
+                "the graphs holding the memory are planned again for the next steps.",
+                stacklevel=3,
+            )
+        # Gradients this graph computes for parameters an earlier graph also uses wait for that
+        # graph's backward before autograd adds them into .grad: they are alive through it.
+        for call in calls:
+            shared = sum(nbytes for ptr, nbytes in mine.items() if ptr in call.leaves)
+            if shared:
+                _reserve([call.graph], key, shared, budget,
+                         f"a later graph of the step computes {format_bytes(shared)} of gradients of parameters it "
+                         "also uses, alive through its backward")
+        if graph.plan is not None:
+            log.info("fxremat %s: planned under %s: %s held by %s in this step", graph.plan.graph,
+                     format_bytes(planned.budget or 0), format_bytes(holding), ", ".join(holders))
+    graph.options = planned
+    if graph.plan is not None:
+        _GRAPHS[graph.plan.graph] = graph
+    return graph
+
+
+def _reserve(names, key: frozenset, nbytes: int, user_budget: int, why: str) -> None:
+    for name in names:
+        holder = _GRAPHS.get(name)
+        if holder is not None:
+            holder.reserve(key, nbytes, user_budget, why)
+
+
+def _watch(out, args, graph: _Graph) -> None:
+    """Log this call and hook the start of its backward."""
+    plan, options = graph.plan, graph.options
+    assert plan is not None
+    outputs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+    differentiable = tuple(o for o in outputs if o.requires_grad)
+    if not differentiable:
+        return
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+    inputs.discard(0)  # storages without memory (meta) alias nothing
+    # Outputs that alias an input (a parameter's view) hold nothing new.
+    own = [o for o in outputs if o.layout == torch.strided and o.untyped_storage().data_ptr() not in inputs]
+    call = _Call(plan.graph, plan.saved_bytes, [weakref.ref(o) for o in own], frozenset(_leaves(args)))
+    with _LOCK:
+        _CALLS.append(call)
+
+    def backward_started(_grads) -> None:
+        call.backward_started = True
+        if options.budget is None or graph.released or options.release_outputs is not None:
+            return
+        alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+        released = plan.output_bytes - alive
+        if released >= REPLAN_MIN_SHARE * options.budget:
+            graph.released = True
+            graph.ask(f"the caller dropped {format_bytes(released)} of its outputs before backward "
+                      "(as `model(x).loss` does)", release_outputs=True)
+
+    torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")

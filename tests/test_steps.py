@@ -1,0 +1,116 @@
+"""What the running step shows (fxremat/steps.py): outputs the caller drops, graphs that share a step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import fxremat
+from fxremat import steps
+
+from checks import compare
+
+
+class WithLogits(nn.Module):
+    """Returns (loss, logits) as HF models do; the logits are the largest tensor of the step."""
+
+    def __init__(self, width: int = 64, vocab: int = 2048) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        return logits.logsumexp(-1).mean(), logits
+
+
+def _compile(model, **options):
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    return torch.compile(model, backend=fxremat.backend(inner="eager", **options))
+
+
+def _budget(model, x) -> int:
+    """Halfway between the least and the fastest plan, outputs counted as alive (the default)."""
+    fastest = fxremat.explain(model, x, inner="eager")
+    least = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min")
+    return (fastest.predicted_peak + least.predicted_peak) // 2
+
+
+def test_dropped_outputs_are_planned_as_released_from_the_next_call(recwarn):
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    budget = _budget(base, x)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_loss = ref(x)[0]
+    ref_loss.backward()
+    compiled = _compile(model, budget=budget)
+    loss = compiled(x)[0]  # the logits are dropped before backward, as `model(x).loss` does
+    loss.backward()
+    compare(ref, ref_loss, model, loss)
+    first = fxremat.plans()[-1]
+    model.zero_grad(set_to_none=False)
+    compiled(x)[0].backward()
+    second = fxremat.plans()[-1]
+    assert second is not first, "no re-plan after the logits were dropped"
+    # Planned with the logits freed when the backward starts: no more memory, fewer recomputations.
+    assert second.predicted_peak <= budget and second.recompute_seconds <= first.recompute_seconds
+    model.zero_grad(set_to_none=False)
+    measured = fxremat.measure(lambda: compiled(x)[0].backward(), reps=1, warmup=1)
+    assert measured.peak_bytes <= budget * 1.02, (measured.peak_bytes, budget)
+    assert len(fxremat.plans()) == 2  # once
+
+
+def test_outputs_held_through_backward_keep_the_first_plan():
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    compiled = _compile(copy.deepcopy(base), budget=_budget(base, x))
+    for _ in range(2):
+        loss, logits = compiled(x)
+        loss.backward()
+        del logits
+    assert len(fxremat.plans()) == 1
+
+
+def test_release_outputs_set_by_the_user_is_never_second_guessed():
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    compiled = _compile(copy.deepcopy(base), budget=_budget(base, x), release_outputs=False)
+    for _ in range(2):
+        compiled(x)[0].backward()
+    assert len(fxremat.plans()) == 1
+
+
+def test_nothing_is_held_after_backward_or_without_grad():
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(64, 64)
+    compiled = _compile(copy.deepcopy(base), budget="64MiB")
+    loss, logits = compiled(x)
+    assert sum(c.held() for c in steps.held()) > 0  # saved activations and the logits
+    loss.backward()
+    assert steps.held() == []
+    with torch.no_grad():
+        compiled(x)
+    assert steps.held() == []
+
+
+def test_explain_plans_a_graph_after_a_break_under_what_the_first_leaves():
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h).square().mean()
+
+    torch.manual_seed(0)
+    import pytest
+
+    with pytest.warns(UserWarning, match="graph breaks"):
+        fxremat.explain(Broken(), torch.randn(16, 32), inner="eager", budget="1MiB")
+    first, second = fxremat.plans()[-2:]
+    assert first.budget == 1 << 20 and second.budget < first.budget
