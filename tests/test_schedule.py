@@ -95,9 +95,9 @@ def _programs_reference(p: RematProblem, kept, recomputed):
     """programs() as first written (a set copy per backward node), to check the fast walk against."""
     fw_nodes = {v for v in range(p.size) if p.phase[v] == F}
     bw_nodes = {v for v in range(p.size) if p.phase[v] == B}
-    forward = sorted(schedule._ancestors_within(p, list(p.fw_outputs) + list(kept), fw_nodes))
+    forward = sorted(schedule.ancestors(p, list(p.fw_outputs) + list(kept), fw_nodes))
     tangents = list(p.tangents)
-    needed = schedule._ancestors_within(p, p.bw_outputs, bw_nodes | set(recomputed)) - set(tangents)
+    needed = schedule.ancestors(p, p.bw_outputs, bw_nodes | set(recomputed)) - set(tangents)
     readers = [v for v in sorted(needed) if any(u in set(tangents) for u in p.inputs[v])]
     done, backward = set(tangents), list(tangents)
     if not readers:
@@ -105,7 +105,7 @@ def _programs_reference(p: RematProblem, kept, recomputed):
     for v in sorted(needed):
         if v < readers[0] or v in done:
             continue
-        for u in sorted(schedule._ancestors_within(p, [v], needed - done)):
+        for u in sorted(schedule.ancestors(p, [v], needed - done)):
             done.add(u)
             backward.append(u)
     return tuple(forward), tuple(backward)

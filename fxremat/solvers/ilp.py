@@ -36,24 +36,32 @@ first plan that fits is then the fastest plan that fits. After ``EXACT_ROUNDS`` 
 forward row is lowered by each plan's overshoot instead (a heuristic: it may
 cut off the optimum, and the gap is then unknown).
 
+The search stops on work limits only: branch-and-bound nodes over all HiGHS
+solves (``MILP_NODE_WORK`` divided by the number of relevant values) and
+``MILP_ROUNDS`` solves (``SolveOptions.milp_nodes`` and ``milp_rounds``
+override them), so the same problem gives the same plan on any machine under
+any load. ``SolveOptions.time_limit`` is only a safety net
+that raises ``SolveTimeout``.
+
 Example:
-    >>> d = solve_ilp(problem, budget=2 << 30, options=SolveOptions(time_limit=30))
+    >>> d = solve_ilp(problem, budget=2 << 30, options=SolveOptions())
     >>> d.gap  # 0.0: proven optimal
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 
 from ..quiet import quiet_stdout
 from . import schedule
 from .mincut import solve_mincut
-from .policies import Rules, best, forward_ancestors, report_progress, rules
-from .types import BACKWARD, FORWARD, Decision, RematProblem, SolveOptions
+from .rules import Deadline, Rules, best, forward_ancestors, report_progress, rules
+from .types import Decision, RematProblem, SolveOptions, SolveTimeout
 
-__all__ = ["solve_ilp", "EXACT_ROUNDS"]
+__all__ = ["solve_ilp", "EXACT_ROUNDS", "MILP_NODE_WORK", "MILP_ROUNDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +77,25 @@ MIP_REL_GAP = 1e-6
 # this fraction of the cheapest single recomputation, so bytes only break ties
 # between plans of equal time.
 TIE_BREAK = 1e-3
-# Share of the time limit for the min-cut warm start when the caller has none.
-# Min-cut needs well under a second on 3000-node graphs; the cap only matters
-# when it has to search for the least peak.
-WARM_TIME_SHARE = 0.25
-# HiGHS statuses, as scipy.optimize.milp reports them.
-_OPTIMAL, _LIMIT, _INFEASIBLE = 0, 1, 2
+# Work HiGHS may spend on one plan, in branch-and-bound nodes times relevant
+# values (the LP's columns): the plan gets ``MILP_NODE_WORK // relevant`` nodes
+# over all its MILP solves, a solve counting at least one. A node's LP grows with
+# the graph, so a fixed node count would starve small graphs or run for minutes
+# on large ones. Measured on the synthetic transformers of tests/test_solvers.py
+# (2-32 layers, 74-1124 relevant values) at budgets where HiGHS cannot prove
+# optimality: a node cost 2-16 ms of CPU up to ~300 values, ~35 ms at 424 and
+# ~230 ms at 1124. 50k nodes x values (676 nodes at 74 values, 118 at 424, 44
+# at 1124) keeps the slowest of them, the 32-layer one, at 12 s of CPU, about
+# the 10 s the ILP had by the clock before; 100k gave the same plans in 1.1-1.9x
+# the time.
+MILP_NODE_WORK = 50_000
+# MILP solves for one plan, exact and heuristic rounds together: as many
+# heuristic rounds as exact ones. Large graphs stop on nodes first (2-3 rounds
+# on the 12- and 32-layer transformers); small ones need up to ~EXACT_ROUNDS.
+MILP_ROUNDS = 2 * EXACT_ROUNDS
+# HiGHS statuses, as scipy.optimize.milp reports them: 1 is its time (or
+# iteration) limit; a node limit comes back as 4, "Solution limit reached".
+_OPTIMAL, _TIME_LIMIT, _INFEASIBLE = 0, 1, 2
 
 
 def _milp():
@@ -161,13 +182,13 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
     # The backward of the plan that keeps everything: every plan runs the same
     # backward nodes in the same order, with recomputation in between.
     _, program = schedule.programs(problem, rule.needed, ())
-    backward = tuple(v for v in program if problem.phase[v] == BACKWARD)
+    backward = tuple(v for v in program if not problem.is_forward(v))
     position = {v: i for i, v in enumerate(backward)}
     storage = problem.storage
     pinned = {storage[v] for v in problem.bw_outputs}
     # Fused backward values never exist unless returned, whatever the plan: their
     # readers read what they read (exact); counting them would break the relaxation.
-    fused = {v for v in problem.fused if problem.phase[v] == BACKWARD} - pinned
+    fused = {v for v in problem.fused if not problem.is_forward(v)} - pinned
     inputs = schedule.reads(problem, frozenset(fused))
     last: dict[int, int] = {}
     for i, v in enumerate(backward):
@@ -193,7 +214,7 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
     readers: dict[int, list[int]] = {v: [] for v in rule.relevant}
     for v in rule.relevant:
         for u in problem.inputs[v]:
-            if problem.phase[u] == FORWARD:
+            if problem.is_forward(u):
                 readers[u].append(v)
     return _Facts(problem, rule, column, storage_of, storage_bytes, output_bytes, backward, fixed[: len(backward)], reads, readers)
 
@@ -300,7 +321,8 @@ class _Program:
         terms = [(a, facts.storage_bytes[col] / self.bytes_scale) for col, a in sorted(alive.items())]
         self.row(terms, -inf, (budget - facts.fixed[p]) / self.bytes_scale)
 
-    def solve(self, memory_limit: float | None, seconds_left: float):
+    def solve(self, memory_limit: float | None, nodes: int, seconds_left: float):
+        """One HiGHS solve, stopped after ``nodes`` branch-and-bound nodes, or ``seconds_left`` (the safety net)."""
         np, Bounds, LinearConstraint, milp, coo_array = _milp()
         n = len(self.cost)
         high = list(self.upper_rhs)
@@ -311,7 +333,9 @@ class _Program:
             rows, cols, vals = zip(*self.entries) if self.entries else ((), (), ())
             matrix = coo_array((np.array(vals, dtype=float), (np.array(rows, dtype=int), np.array(cols, dtype=int))), shape=(len(self.lower_rhs), n)).tocsr()
             constraints.append(LinearConstraint(matrix, np.array(self.lower_rhs), np.array(high)))
-        options = {"time_limit": max(seconds_left, 0.01), "mip_rel_gap": MIP_REL_GAP, "disp": False}
+        options: dict[str, object] = {"node_limit": nodes, "mip_rel_gap": MIP_REL_GAP, "disp": False}
+        if math.isfinite(seconds_left):
+            options["time_limit"] = max(seconds_left, 1e-3)
         with quiet_stdout():  # HiGHS prints MIP progress from C++ whatever disp says
             return milp(np.array(self.cost), integrality=np.array(self.integer), bounds=Bounds(np.zeros(n), np.array(self.upper)), constraints=constraints, options=options)
 
@@ -334,7 +358,7 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
     needed = set(rule.needed)
     for v in rule.relevant:
         for u in problem.inputs[v]:
-            if problem.phase[u] == FORWARD:
+            if problem.is_forward(u):
                 prog.row([(prog.r(v), 1.0), (prog.s(u), -1.0), (prog.r(u), -1.0)], -float("inf"), 0.0)
         if v in needed:
             prog.row([(prog.s(v), 1.0), (prog.r(v), 1.0)], 1.0, 1.0)
@@ -374,20 +398,30 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
 # --------------------------------------------------------------------------
 
 
-def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions = SolveOptions(), *, warm: Decision | None = None) -> Decision:
+def solve_ilp(
+    problem: RematProblem,
+    budget: int | None,
+    options: SolveOptions = SolveOptions(),
+    *,
+    warm: Decision | None = None,
+    deadline: Deadline | None = None,
+    node_work: int = MILP_NODE_WORK,
+    max_rounds: int = MILP_ROUNDS,
+) -> Decision:
     """The fastest plan whose simulated peak fits the budget, by MILP with lazy rows and no-good cuts.
 
     Starts from min-cut's plan (the warm start): when it fits, only plans at
     least as fast are searched, and it is returned, proven optimal, when no
     faster plan fits. When nothing fits, min-cut's least-peak search gives
-    the least peak; when the time limit cuts the MILP short, the best plan
-    seen (warm start included) comes back.
+    the least peak; when a work limit cuts the MILP short, the best plan
+    seen (warm start included) comes back, and ``Decision.note`` says which
+    limit was hit.
 
     ``Decision.gap`` is 0.0 when the plan is proven the fastest that fits:
     every HiGHS solve finished within ``MIP_REL_GAP`` and the program only
     held rows that every fitting plan satisfies, so the first plan that fit
     is optimal (or nothing faster than the warm start fits). When HiGHS
-    stopped at the time limit it is HiGHS's ``mip_gap`` for that solve, which
+    stopped at the node limit it is HiGHS's ``mip_gap`` for that solve, which
     bounds the true gap for the same reason. It is None when no bound is
     known: the plan is the warm start's and the search was cut short, or it
     came after heuristic tightening. The objective's tie-break on bytes is
@@ -396,12 +430,17 @@ def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions =
     Args:
         problem: the joint graph.
         budget: peak bytes to fit, or None for the fastest plan.
-        options: ``time_limit`` (seconds, min-cut and all MILP rounds
-            together) and ``progress(done, total, message)``, called once
-            per round.
+        options: ``milp_nodes`` and ``milp_rounds`` (work limits that
+            override ``node_work`` and ``max_rounds``), ``time_limit`` (a
+            safety net over min-cut and all MILP rounds together) and
+            ``progress(done, total, message)``, called once per round.
         warm: ``solve_mincut``'s decision for the same problem and budget,
-            when the caller already has it; otherwise min-cut runs first with
-            ``WARM_TIME_SHARE`` of the time limit.
+            when the caller already has it; otherwise min-cut runs first.
+        deadline: the safety net of an enclosing solve (``auto``), shared
+            with it; None: a new one from ``options.time_limit``.
+        node_work: branch-and-bound nodes times relevant values for the
+            plan (see ``MILP_NODE_WORK``).
+        max_rounds: MILP solves for the plan.
 
     Returns:
         The decision (``solver="ilp"``); ``feasible=False`` with the least
@@ -410,16 +449,19 @@ def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions =
     Raises:
         ValueError: a ``must_recompute`` tag cannot be honoured.
         ImportError: scipy is not installed.
+        SolveTimeout: the solve ran past ``options.time_limit``.
     """
     started = time.perf_counter()
-    deadline = started + options.time_limit
+    deadline = deadline or Deadline.start("ilp", options)
     rule = rules(problem)
     if not rule.relevant:
         # The backward reads no forward value: there is nothing to choose.
         d = schedule.decision(problem, (), budget, "ilp", gap=0.0)
         return replace(d, solve_seconds=time.perf_counter() - started)
+    nodes = options.milp_nodes or max(1, node_work // len(rule.relevant))
+    max_rounds = options.milp_rounds or max_rounds
     if warm is None:
-        warm = solve_mincut(problem, budget, replace(options, time_limit=WARM_TIME_SHARE * options.time_limit, progress=None))
+        warm = solve_mincut(problem, budget, replace(options, progress=None), deadline=deadline)
     facts = _facts(problem, rule)
     cutoff = warm.recompute_seconds if warm.feasible and budget is not None else None
     program = _program(facts, budget, cutoff)
@@ -427,32 +469,48 @@ def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions =
     tried: dict[tuple[int, ...], Decision] = {}
     found: Decision | None = None
     # When the forward outputs alone exceed the budget, no plan fits (proven).
-    exact, exhausted, limit_hit = True, memory_limit is not None and memory_limit < 0, False
+    exact, exhausted = True, memory_limit is not None and memory_limit < 0
     gap: float | None = None
-    rounds = 0
+    rounds = used = 0  # MILP solves, and branch-and-bound nodes they explored
+    limited = ""  # the work limit that stopped the search, if one did
     while not exhausted:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            limit_hit = True
+        if rounds >= max_rounds:
+            limited = f"MILP round limit {max_rounds} hit"
             break
-        res = program.solve(memory_limit, left)
+        if used >= nodes:
+            limited = limited or f"MILP node limit {nodes} hit in round {rounds}"
+            break
+        deadline.check(f"before MILP round {rounds + 1}")
+        res = program.solve(memory_limit, nodes - used, deadline.left())
+        if res.status == _TIME_LIMIT:
+            raise SolveTimeout(deadline.solver, deadline.limit, f"HiGHS stopped in MILP round {rounds + 1}")
         if res.status == _INFEASIBLE:
             exhausted = True
             break
+        rounds += 1
+        explored = max(1, int(res.mip_node_count or 0))  # a solve that presolve settles counts one
+        if res.status != _OPTIMAL:
+            if explored >= nodes - used:
+                # HiGHS stopped at the node limit (scipy: status 4, "Solution limit reached").
+                limited = f"MILP node limit {nodes} hit in round {rounds}"
+            else:
+                limited = f"HiGHS stopped in MILP round {rounds}: {res.message}"
+            explored = nodes - used  # either way, no further round
+        used += explored
         if res.x is None:
-            limit_hit = True
             break
         d = schedule.decision(problem, program.kept(res.x), budget, "ilp")
         repeated = d.kept in tried
         tried[d.kept] = d
-        rounds += 1
-        report_progress(options, rounds, EXACT_ROUNDS, f"ILP round {rounds}: peak {d.peak_bytes}, fits {d.feasible}")
-        logger.debug("ilp round %d: status %d, peak %d, recompute %.3gs, feasible %s", rounds, res.status, d.peak_bytes, d.recompute_seconds, d.feasible)
+        report_progress(options, rounds, max_rounds, f"ILP round {rounds}: peak {d.peak_bytes}, fits {d.feasible}")
+        logger.debug(
+            "ilp round %d: status %d, nodes %s, peak %d, recompute %.3gs, feasible %s",
+            rounds, res.status, res.mip_node_count, d.peak_bytes, d.recompute_seconds, d.feasible,
+        )
         if d.feasible:
             found = d
             if exact:
                 gap = 0.0 if res.status == _OPTIMAL else (None if res.mip_gap is None else float(res.mip_gap))
-            limit_hit = res.status != _OPTIMAL
             break
         # A plan with no budget always fits, so the loop only gets here with one.
         assert budget is not None and memory_limit is not None
@@ -484,8 +542,8 @@ def solve_ilp(problem: RematProblem, budget: int | None, options: SolveOptions =
             notes.append("no plan fits the budget (proven)")
     if result is warm:
         notes.insert(0, f"min-cut plan ({warm.note})" if warm.note else "min-cut plan")
-    if limit_hit:
-        notes.append(f"time limit {options.time_limit:g}s hit after {rounds} MILP rounds")
+    if limited:
+        notes.append(limited)
     if not exact:
         notes.append(f"heuristic after {EXACT_ROUNDS} rejected plans: the end-of-forward row was lowered")
     if budget is not None and budget < facts.output_bytes:

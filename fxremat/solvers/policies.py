@@ -1,15 +1,11 @@
-"""Reference policies, and the rules every solver shares.
+"""Reference policies: tiny functions ``problem -> kept ids``, named for what they keep.
 
-A policy is a tiny function ``problem -> kept ids`` named for what it keeps,
-like JAX's ``checkpoint_policies``; ``schedule.close`` derives what is then
-recomputed. The ``solve_*`` wrappers at the end give each policy the shared
-solver signature ``(problem, budget, options) -> Decision``.
-
-The first section holds what every solver needs so that they all judge plans
-the same way: ``rules`` resolves the problem's tags once (and raises when a
-``must_recompute`` tag cannot be honoured), ``admit`` applies them to a kept
-set, and ``rank``/``best`` order decisions (least recompute time among plans
-that fit, else least peak).
+Like JAX's ``checkpoint_policies``: ``keep_all``, ``keep_nothing``,
+``keep_layer_inputs`` and ``keep_segment_boundaries``; ``schedule.close``
+derives what is then recomputed. The ``solve_*`` wrappers at the end give each
+policy the shared solver signature ``(problem, budget, options) -> Decision``.
+The rules every solver shares (``rules``, ``admit``, ``rank``, ...) live in
+``rules.py``.
 
 Example:
     >>> kept = keep_layer_inputs(problem)
@@ -23,19 +19,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from . import schedule
-from .types import FORWARD, Decision, RematProblem, SolveOptions
+from .rules import admit, rules
+from .types import Decision, RematProblem, SolveOptions
 
 __all__ = [
-    "Rules",
-    "rules",
-    "admit",
-    "rank",
-    "best",
-    "forward_ancestors",
-    "report_progress",
     "has_layers",
     "layer_inputs",
     "segment_boundaries",
@@ -54,142 +44,13 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------
-# Rules shared by every solver
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rules:
-    """The problem's tags, resolved once into what any plan must respect.
-
-    Attributes:
-        needed: forward ids the backward reads, sorted.
-        relevant: forward ids whose status can matter (``needed`` and their
-            forward ancestors), sorted. Nothing else is ever kept or recomputed.
-        no_keep: ``must_recompute`` ids: never in a kept set.
-        always_keep: relevant ids kept whenever they are needed: values the
-            user holds anyway (forward outputs: keeping them is free, and
-            dominates recomputing a second copy) and readers of values that
-            can be neither kept nor recomputed (a ``must_recompute`` value
-            that is also ``never_recompute``/``must_save``).
-        no_recompute: relevant ids that are never recomputed: ``always_keep``
-            plus ``never_recompute`` and ``must_save``, and the stuck values
-            above (which are also in ``no_keep``: no plan may need them).
-    """
-
-    needed: tuple[int, ...]
-    relevant: tuple[int, ...]
-    no_keep: frozenset[int]
-    always_keep: frozenset[int]
-    no_recompute: frozenset[int]
-
-
-def forward_ancestors(problem: RematProblem, roots) -> set[int]:
-    """The forward ids among ``roots`` and their forward ancestors."""
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        stack.extend(u for u in problem.inputs[v] if problem.phase[u] == FORWARD and u not in seen)
-    return seen
-
-
-def rules(problem: RematProblem) -> Rules:
-    """Resolve the problem's tags into constraints on kept sets.
-
-    A ``must_recompute`` value that is also ``never_recompute`` or
-    ``must_save`` can be neither kept nor recomputed; neither can a
-    ``must_recompute`` value that reads one. Plans avoid needing them by
-    keeping their readers. When the backward itself reads such a value no
-    plan exists.
-
-    Args:
-        problem: the joint graph.
-
-    Returns:
-        The resolved ``Rules``.
-
-    Raises:
-        ValueError: a ``must_recompute`` value is needed by the backward but
-            cannot be recomputed; the message names it and the tag to drop.
-    """
-    needed = schedule.bw_reads(problem)
-    relevant = forward_ancestors(problem, needed)
-    no_keep = frozenset(problem.must_recompute)
-    pinned_by_tag = set(problem.never_recompute) | set(problem.must_save)
-    # Values that can be neither kept nor recomputed, in id (topological) order.
-    stuck: dict[int, str] = {}
-    for v in sorted(no_keep):
-        if v in pinned_by_tag:
-            why = "never_recompute" if v in problem.never_recompute else "must_save"
-            stuck[v] = f"it is also tagged {why}"
-        else:
-            blocked_by = [u for u in problem.inputs[v] if u in stuck]
-            if blocked_by:
-                stuck[v] = f"it reads {problem.names[blocked_by[0]]} (id {blocked_by[0]}), which cannot be recomputed or kept"
-    for v in needed:
-        if v in stuck:
-            raise ValueError(
-                f"node {problem.names[v]} (id {v}) is tagged must_recompute, but the backward reads it and {stuck[v]}. "
-                "Drop its MUST_RECOMPUTE tag (or the conflicting tag) so a plan can exist."
-            )
-    readers_of_stuck = {v for v in relevant if v not in stuck and any(u in stuck for u in problem.inputs[v])}
-    free = {v for v in problem.fw_outputs if v in relevant}
-    always_keep = frozenset((readers_of_stuck | free) - no_keep)
-    no_recompute = frozenset(always_keep | (pinned_by_tag & relevant) | (set(stuck) & relevant))
-    return Rules(needed=needed, relevant=tuple(sorted(relevant)), no_keep=no_keep, always_keep=always_keep, no_recompute=no_recompute)
-
-
-def admit(rule: Rules, kept) -> tuple[int, ...]:
-    """Make a kept set respect the rules: drop ``must_recompute`` ids, add ``always_keep``.
-
-    Args:
-        rule: from ``rules(problem)``.
-        kept: any iterable of forward ids.
-
-    Returns:
-        The admitted kept set, a sorted tuple.
-    """
-    return tuple(sorted((set(kept) | rule.always_keep) - rule.no_keep))
-
-
-def rank(d: Decision) -> tuple:
-    """Sort key: plans that fit by (recompute seconds, peak), then the rest by (peak, seconds).
-
-    Ties fall to fewer kept values, then to the kept ids themselves, so the
-    order never depends on the order candidates were found in.
-    """
-    if d.feasible:
-        return (0, d.recompute_seconds, d.peak_bytes, len(d.kept), d.kept)
-    return (1, d.peak_bytes, d.recompute_seconds, len(d.kept), d.kept)
-
-
-def best(decisions) -> Decision:
-    """The decision a solver should return among candidates judged against one budget."""
-    return min(decisions, key=rank)
-
-
-def report_progress(options: SolveOptions, done: int, total: int, message: str) -> None:
-    """Call ``options.progress(done, total, message)`` when one was given."""
-    if callable(options.progress):
-        options.progress(done, total, message)
-
-
-# --------------------------------------------------------------------------
 # Structure: layers and segments
 # --------------------------------------------------------------------------
 
 
-def _forward_ids(problem: RematProblem) -> list[int]:
-    return [v for v in range(problem.size) if problem.phase[v] == FORWARD]
-
-
 def has_layers(problem: RematProblem) -> bool:
     """Whether any forward node is tagged with a layer index."""
-    return any(problem.layer[v] >= 0 for v in _forward_ids(problem)) if problem.layer else False
+    return any(problem.layer[v] >= 0 for v in range(problem.size) if problem.is_forward(v)) if problem.layer else False
 
 
 def layer_inputs(problem: RematProblem) -> list[tuple[int, ...]]:
@@ -201,11 +62,12 @@ def layer_inputs(problem: RematProblem) -> list[tuple[int, ...]]:
     if not has_layers(problem):
         return []
     inputs: dict[int, set[int]] = {}
-    for v in _forward_ids(problem):
+    for v in sorted(problem.forward_ids()):
         layer = problem.layer[v]
         if layer < 0:
             continue
-        inputs.setdefault(layer, set()).update(u for u in problem.inputs[v] if problem.phase[u] == FORWARD and problem.layer[u] != layer)
+        outside = (u for u in problem.inputs[v] if problem.is_forward(u) and problem.layer[u] != layer)
+        inputs.setdefault(layer, set()).update(outside)
     return [tuple(sorted(inputs[layer])) for layer in sorted(inputs)]
 
 
@@ -222,7 +84,7 @@ def segment_boundaries(problem: RematProblem, segments: int) -> list[tuple[int, 
     Returns:
         One sorted tuple per boundary (``segments - 1`` of them).
     """
-    order = _forward_ids(problem)
+    order = sorted(problem.forward_ids())
     n = len(order)
     segments = max(1, min(segments, n))
     position = {v: i for i, v in enumerate(order)}
@@ -230,7 +92,7 @@ def segment_boundaries(problem: RematProblem, segments: int) -> list[tuple[int, 
     last_read: dict[int, int] = {}
     for v in order:
         for u in problem.inputs[v]:
-            if problem.phase[u] == FORWARD:
+            if problem.is_forward(u):
                 last_read[u] = max(last_read.get(u, -1), position[v])
     boundaries = []
     for j in range(1, segments):
@@ -241,7 +103,7 @@ def segment_boundaries(problem: RematProblem, segments: int) -> list[tuple[int, 
 
 def sqrt_segments(problem: RematProblem) -> int:
     """Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): about sqrt(n) segments."""
-    return max(1, round(math.sqrt(len(_forward_ids(problem)))))
+    return max(1, round(math.sqrt(len(problem.forward_ids()))))
 
 
 # --------------------------------------------------------------------------

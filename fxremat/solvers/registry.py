@@ -20,10 +20,20 @@ from types import MappingProxyType
 
 from .ilp import solve_ilp
 from .mincut import solve_mincut
-from .policies import rank, solve_per_layer, solve_save_all, solve_save_inputs, solve_sqrt_n
-from .types import FORWARD, Decision, RematProblem, SolveOptions
+from .policies import solve_per_layer, solve_save_all, solve_save_inputs, solve_sqrt_n
+from .rules import Deadline, rank
+from .types import Decision, RematProblem, SolveOptions
 
-__all__ = ["SOLVERS", "Solver", "get_solver", "solve", "solve_auto", "AUTO_ILP_MAX_FORWARD"]
+__all__ = [
+    "SOLVERS",
+    "Solver",
+    "get_solver",
+    "solve",
+    "solve_auto",
+    "AUTO_ILP_MAX_FORWARD",
+    "AUTO_MILP_NODE_WORK",
+    "AUTO_MILP_ROUNDS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,58 +43,66 @@ Solver = Callable[[RematProblem, "int | None", SolveOptions], Decision]
 # ``auto`` runs the ILP after min-cut up to this many forward nodes. Measured
 # on the synthetic GPT stacks of tests/test_solvers.py: at 88 forward nodes
 # HiGHS proves optimality in 0.2-4 s; at 256 it does at loose budgets in under
-# a second and, at tight ones, improves on min-cut by 3-5% but stops at a
-# 10 s limit with a 5-10% gap; each MILP round grows with the graph beyond.
+# a second and, at tight ones, improves on min-cut by 3-5% but had not proven
+# it after 10 s (5-10% gap); each MILP round grows with the graph beyond.
 AUTO_ILP_MAX_FORWARD = 400
-# Share of the time limit ``auto`` gives min-cut before the ILP; min-cut needs
-# well under a second on 3000-node graphs, so this only matters when it has to
-# search for the least peak.
-AUTO_MINCUT_SHARE = 0.3
-# Seconds ``auto`` lets the ILP refine min-cut's plan. On transformer graphs the ILP
-# proves optimality within a second or two when it can; past that it ran to the limit
-# for 2-10% less recompute than min-cut (solver benchmarks), not worth a slower compile.
-AUTO_ILP_SECONDS = 2.0
+# Work limits of the ILP inside ``auto`` (see ``ilp.MILP_NODE_WORK``), which
+# replaced 2 s by the clock. On the 2-8 layer synthetic transformers of
+# tests/test_solvers.py (74-284 forward values), at 4 budgets each, ``auto``
+# then takes up to 4 s of CPU (2.8 s by the clock before) and returns the ILP's
+# plan at 9 of 12, 3-8% faster than min-cut's at the 5 where the clock-limited
+# ILP had been cut short. Halving the work saved nothing: the cost of the hard
+# rounds is HiGHS's root processing, not the nodes.
+AUTO_MILP_NODE_WORK = 10_000
+# At most 3 rounds ran in those solves; 10 leave room on small graphs, where a
+# round costs milliseconds, and bound the root work (<= 1 s a round) on large ones.
+AUTO_MILP_ROUNDS = 10
 
 
 def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions = SolveOptions()) -> Decision:
     """Min-cut (with the reference policies as candidates), then the ILP warm-started from it on small graphs.
 
-    The ILP's plan is used only when it proves it optimal within
-    ``AUTO_ILP_SECONDS``: that keeps ``auto`` deterministic (the same graph and
-    budget give the same plan on a loaded machine too). ``Decision.solver`` says
-    which produced the plan: ``"auto:mincut"`` or ``"auto:ilp"``; gap 0.0 means
-    proven optimal, None unknown.
+    The ILP runs under smaller work limits than the ``ilp`` solver
+    (``AUTO_MILP_NODE_WORK`` and ``AUTO_MILP_ROUNDS``, unless ``options``
+    sets ``milp_nodes`` or ``milp_rounds``), and its plan is used when it is faster
+    than min-cut's, proven optimal or not: both stop on counts, never on the
+    clock, so the same graph and budget give the same plan on a loaded
+    machine too. ``Decision.solver`` says which produced the plan:
+    ``"auto:mincut"`` or ``"auto:ilp"``; gap 0.0 means proven optimal, None
+    unknown.
 
     Args:
         problem: the joint graph.
         budget: peak bytes to fit, or None for the fastest plan.
-        options: ``time_limit`` covers both solvers together.
+        options: work limits, and ``time_limit``, a safety net over both
+            solvers together.
 
     Returns:
         The decision.
+
+    Raises:
+        SolveTimeout: the solve ran past ``options.time_limit``.
     """
     started = time.perf_counter()
-    forward = sum(1 for p in problem.phase if p == FORWARD)
-    cut = solve_mincut(problem, budget, replace(options, time_limit=options.time_limit * AUTO_MINCUT_SHARE))
+    deadline = Deadline.start("auto", options)
+    forward = len(problem.forward_ids())
+    cut = solve_mincut(problem, budget, options, deadline=deadline)
     result, name, notes = cut, "auto:mincut", [cut.note]
-    left = options.time_limit - (time.perf_counter() - started)
     if forward > AUTO_ILP_MAX_FORWARD:
         notes.append(f"ILP skipped: {forward} forward nodes > {AUTO_ILP_MAX_FORWARD}")
-    elif left > 0:
-        exact = solve_ilp(problem, budget, replace(options, time_limit=min(left, AUTO_ILP_SECONDS)), warm=cut)
-        if exact.gap != 0.0:
-            # Only a proven optimum is independent of machine load; a plan the ILP
-            # found before its time ran out could differ between two compiles of the
-            # same graph (explain vs torch.compile, one rank vs another).
-            result = replace(cut, gap=None)
-            notes.append(f"ILP not proven optimal within {min(left, AUTO_ILP_SECONDS):g}s; kept min-cut's plan")
-        elif rank(exact) < rank(cut):
-            result, name, notes = exact, "auto:ilp", [exact.note]
-        else:
-            result = replace(cut, gap=0.0)
-            notes.append("ILP proved it optimal")
     else:
-        notes.append("ILP skipped: min-cut used the whole time limit")
+        exact = solve_ilp(
+            problem, budget, options, warm=cut, deadline=deadline, node_work=AUTO_MILP_NODE_WORK, max_rounds=AUTO_MILP_ROUNDS
+        )
+        if rank(exact) < rank(cut):
+            result, name, notes = exact, "auto:ilp", [exact.note]
+        elif exact.gap == 0.0 or exact.kept == cut.kept:
+            # Min-cut's plan is at least as good as the ILP's: a proven optimum, or the ILP's
+            # own answer, whose gap bound then holds for it.
+            result = replace(cut, gap=exact.gap)
+            notes.append("ILP proved it optimal" if exact.gap == 0.0 else f"ILP found nothing faster ({exact.note})")
+        else:
+            notes.append(f"ILP found nothing faster ({exact.note})")
     return replace(result, solver=name, solve_seconds=time.perf_counter() - started, note="; ".join(filter(None, notes)))
 
 
@@ -131,7 +149,7 @@ def solve(problem: RematProblem, budget: int | None, solver: str = "auto", optio
         problem: the joint graph.
         budget: peak bytes of the step to fit, or None for the fastest plan.
         solver: a name in ``SOLVERS``.
-        options: time limit and progress callback.
+        options: work limits, safety-net time limit and progress callback.
 
     Returns:
         The decision. ``feasible=False`` means nothing the solver found fits;
@@ -140,6 +158,8 @@ def solve(problem: RematProblem, budget: int | None, solver: str = "auto", optio
     Raises:
         ValueError: unknown solver, or a ``must_recompute`` tag that cannot be
             honoured.
+        SolveTimeout: the solver ran past ``options.time_limit`` (a safety
+            net: plans never depend on time).
 
     Example:
         >>> plan = fxremat.explain(model, x)                  # Plan.problem is the graph as data

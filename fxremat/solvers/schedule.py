@@ -14,12 +14,26 @@ from dataclasses import dataclass
 
 from .types import BACKWARD, FORWARD, Decision, RematProblem
 
-__all__ = ["bw_reads", "close", "one_per_storage", "alias_groups", "programs", "virtual", "reads", "liveness", "Timeline", "evaluate", "decision"]
+__all__ = [
+    "bw_reads",
+    "close",
+    "one_per_storage",
+    "alias_groups",
+    "ancestors",
+    "programs",
+    "virtual",
+    "reads",
+    "liveness",
+    "Timeline",
+    "evaluate",
+    "decision",
+]
 
 
 def bw_reads(problem: RematProblem) -> tuple[int, ...]:
     """Forward ids that some backward node reads, sorted."""
-    reads = {u for v in range(problem.size) if problem.phase[v] == BACKWARD for u in problem.inputs[v] if problem.phase[u] == FORWARD}
+    phase = problem.phase  # called once per closed plan: a tuple lookup beats building a set here
+    reads = {u for v in range(problem.size) if phase[v] == BACKWARD for u in problem.inputs[v] if phase[u] == FORWARD}
     return tuple(sorted(reads))
 
 
@@ -39,9 +53,10 @@ def close(problem: RematProblem, kept: set[int] | tuple[int, ...]) -> tuple[tupl
         (kept, recomputed), both sorted tuples of forward ids.
     """
     kept_set = set(kept) | set(problem.must_save)
+    needed = bw_reads(problem)
     # Each round replaces a group of aliases by one value; a few rounds settle it.
     for _ in range(problem.size + 1):
-        needed_kept, recomputed = _close(problem, kept_set)
+        needed_kept, recomputed = _close(problem, kept_set, needed)
         canonical = one_per_storage(problem, needed_kept)
         if canonical == needed_kept:
             break
@@ -78,7 +93,7 @@ def one_per_storage(problem: RematProblem, kept: set[int]) -> set[int]:
         if forced:
             keep = forced[0]
         else:
-            keep = owner if problem.phase[owner] == FORWARD and owner in may_keep else members[0]
+            keep = owner if problem.is_forward(owner) and owner in may_keep else members[0]
         out.difference_update(v for v in members if v not in no_recompute)
         out.add(keep)
     return out
@@ -98,12 +113,13 @@ def alias_groups(problem: RematProblem, values) -> dict[int, list[int]]:
     return groups
 
 
-def _close(problem: RematProblem, kept_set: set[int]) -> tuple[set[int], set[int]]:
-    """``close`` without the one-value-per-storage rule."""
+def _close(problem: RematProblem, kept_set: set[int], needed: tuple[int, ...]) -> tuple[set[int], set[int]]:
+    """``close`` without the one-value-per-storage rule; ``needed`` is ``bw_reads(problem)``."""
     no_recompute = set(problem.never_recompute)
+    phase = problem.phase  # once per closed plan: a tuple lookup beats building a set here
     needed_kept: set[int] = set()
     recomputed: set[int] = set()
-    stack = list(bw_reads(problem))
+    stack = list(needed)
     while stack:
         v = stack.pop()
         if v in needed_kept or v in recomputed:
@@ -112,19 +128,49 @@ def _close(problem: RematProblem, kept_set: set[int]) -> tuple[set[int], set[int
             needed_kept.add(v)
             continue
         recomputed.add(v)
-        stack.extend(u for u in problem.inputs[v] if problem.phase[u] == FORWARD)
+        stack.extend(u for u in problem.inputs[v] if phase[u] == FORWARD)
     return needed_kept, recomputed
 
 
-def _ancestors_within(problem: RematProblem, roots, allowed) -> set[int]:
+def ancestors(problem: RematProblem, roots, within) -> set[int]:
+    """``roots`` and their ancestors, walking only through ids in ``within``.
+
+    Args:
+        problem: the joint graph.
+        roots: ids to start from; those outside ``within`` are skipped.
+        within: ids the walk may visit (any container).
+
+    Returns:
+        The ids visited.
+
+    Example:
+        >>> ancestors(problem, problem.fw_outputs, problem.forward_ids())   # the forward's live part
+    """
     seen: set[int] = set()
-    stack = [r for r in roots if r in allowed]
+    stack = [r for r in roots if r in within]
     while stack:
         v = stack.pop()
         if v in seen:
             continue
         seen.add(v)
-        stack.extend(u for u in problem.inputs[v] if u in allowed and u not in seen)
+        stack.extend(u for u in problem.inputs[v] if u in within and u not in seen)
+    return seen
+
+
+def _pending_ancestors(problem: RematProblem, v: int, needed: set[int], done: set[int]) -> set[int]:
+    """``ancestors(problem, [v], needed - done)`` for ``v`` in ``needed - done``, without the copy.
+
+    ``programs`` walks once per backward node while ``done`` grows: a copy of
+    ``needed - done`` per walk made it quadratic in the graph size.
+    """
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(u for u in problem.inputs[x] if u in needed and u not in done and u not in seen)
     return seen
 
 
@@ -140,11 +186,11 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     ``reordering_to_mimic_autograd_engine``, which ``passes/apply.py`` runs on
     the real backward graph.
     """
-    fw_nodes = {v for v in range(problem.size) if problem.phase[v] == FORWARD}
-    bw_nodes = {v for v in range(problem.size) if problem.phase[v] == BACKWARD}
-    forward = sorted(_ancestors_within(problem, list(problem.fw_outputs) + list(kept), fw_nodes))
-    tangents = [t for t in problem.tangents]
-    needed = _ancestors_within(problem, problem.bw_outputs, bw_nodes | set(recomputed)) - set(tangents)
+    fw_nodes = problem.forward_ids()
+    forward = sorted(ancestors(problem, list(problem.fw_outputs) + list(kept), fw_nodes))
+    tangents = list(problem.tangents)
+    bw_or_recomputed = {v for v in range(problem.size) if v not in fw_nodes}.union(recomputed)
+    needed = ancestors(problem, problem.bw_outputs, bw_or_recomputed) - set(tangents)
     tangent_set = set(tangents)
     readers = [v for v in sorted(needed) if any(u in tangent_set for u in problem.inputs[v])]
     done: set[int] = set(tangents)
@@ -166,22 +212,6 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
             done.add(u)
             backward.append(u)
     return tuple(forward), tuple(backward)
-
-
-def _pending_ancestors(problem: RematProblem, v: int, needed: set[int], done: set[int]) -> set[int]:
-    """``_ancestors_within(problem, [v], needed - done)`` without copying ``needed - done``.
-
-    The copy per backward node made ``programs`` quadratic in the graph size.
-    """
-    seen: set[int] = set()
-    stack = [v]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(u for u in problem.inputs[x] if u in needed and u not in done and u not in seen)
-    return seen
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["FORWARD", "BACKWARD", "RematProblem", "Decision", "SolveOptions"]
+__all__ = ["FORWARD", "BACKWARD", "RematProblem", "Decision", "SolveOptions", "SolveTimeout", "DEFAULT_TIME_LIMIT"]
 
 FORWARD = 0
 BACKWARD = 1
@@ -80,6 +80,9 @@ class RematProblem:
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if not set(self.phase) <= {FORWARD, BACKWARD}:
+            odd = sorted(set(self.phase) - {FORWARD, BACKWARD})
+            raise ValueError(f"RematProblem.phase holds {odd}: each entry is FORWARD or BACKWARD")
         for name in ("phase", "inputs", "nbytes", "storage", "seconds", "flops"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RematProblem.{name} has {len(getattr(self, name))} entries, expected {n}")
@@ -107,15 +110,80 @@ class RematProblem:
     def is_forward(self, v: int) -> bool:
         return self.phase[v] == FORWARD
 
+    def forward_ids(self) -> frozenset[int]:
+        """Ids of the forward nodes, for loops that test many ids (computed on each call: hoist it)."""
+        return frozenset([v for v, p in enumerate(self.phase) if p == FORWARD])
+
+
+# Default safety net of one solve, in seconds. The slowest default solve measured,
+# ``ilp`` on the 32-layer synthetic transformer of tests/test_solvers.py (2441
+# nodes) at half its memory range, takes 12 s of CPU (15 s on a loaded 2-core
+# host); 10x that leaves room for loaded and slower machines, and still stops a
+# runaway solve.
+DEFAULT_TIME_LIMIT = 120.0
+
 
 @dataclass(frozen=True)
 class SolveOptions:
-    """Knobs every solver accepts. Defaults suit graphs of a few thousand nodes."""
+    """Knobs every solver accepts. Defaults suit graphs of a few thousand nodes.
 
-    time_limit: float = 10.0
-    """Seconds a solver may spend before returning its best feasible plan."""
+    A plan is a function of the problem, the budget and these options only:
+    solvers stop on work limits (MILP nodes and rounds, simulations), never on
+    the clock, so two machines, or one machine idle and under load, give the
+    same plan. ``time_limit`` is only a safety net.
+    """
+
+    time_limit: float = DEFAULT_TIME_LIMIT
+    """Safety net, in seconds, for one solve (nested solves included): past it the solver
+    raises ``SolveTimeout`` rather than return a plan that depends on the machine's speed.
+    ``math.inf`` disables it."""
     progress: object = None
     """Optional callable ``progress(done: int, total: int, message: str)``."""
+    milp_nodes: int | None = None
+    """Branch-and-bound nodes HiGHS may explore for one plan, over all its MILP solves; None:
+    ``ilp.MILP_NODE_WORK`` (``registry.AUTO_MILP_NODE_WORK`` inside ``auto``) divided by the
+    number of values to choose among, since a node costs more on a larger graph."""
+    milp_rounds: int | None = None
+    """MILP solves for one plan (one per plan the simulation rejects, plus the last); None:
+    the solver's own limit (``ilp.MILP_ROUNDS``; ``registry.AUTO_MILP_ROUNDS`` inside ``auto``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) or not self.time_limit > 0:
+            raise ValueError(
+                f"SolveOptions.time_limit={self.time_limit!r} must be a positive number of seconds (math.inf: no limit)"
+            )
+        for name in ("milp_nodes", "milp_rounds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"SolveOptions.{name}={value!r} must be a positive int, or None for the solver's own limit")
+
+
+class SolveTimeout(RuntimeError):
+    """A solve ran past its safety-net time limit (``SolveOptions.time_limit``).
+
+    Solvers stop on work limits, so a plan never depends on the machine's
+    load; the time limit only stops a runaway solve, and then no plan is
+    returned, because whatever was found by then would depend on the load.
+
+    Attributes:
+        solver: the solver that was stopped.
+        limit: the time limit, in seconds.
+        doing: what it was doing when the limit passed.
+    """
+
+    def __init__(self, solver: str, limit: float, doing: str) -> None:
+        self.solver, self.limit, self.doing = solver, limit, doing
+        super().__init__(
+            f"solver {solver!r} ran past its safety-net time limit of {limit:g} s ({doing}). "
+            "A plan depends only on the graph, the budget and the options, never on time, so none is "
+            "returned. Raise the time_limit option (SolveOptions.time_limit; math.inf disables the net), "
+            "or choose a faster solver: 'mincut', or 'auto' rather than 'ilp' (SolveOptions.milp_nodes "
+            "and milp_rounds bound the ILP's work)"
+        )
+
+    def __reduce__(self):
+        # Pickle by the constructor's arguments, not the message (compile workers send errors back).
+        return (SolveTimeout, (self.solver, self.limit, self.doing))
 
 
 @dataclass(frozen=True)
@@ -131,7 +199,7 @@ class Decision:
         solver: the name of the solver that chose it.
         solve_seconds: wall time spent solving.
         gap: relative optimality gap where the solver knows one, else None.
-        note: one line on anything a user should know (time limit hit, ...).
+        note: one line on anything a user should know (a work limit hit, ...).
     """
 
     kept: tuple[int, ...]
