@@ -64,7 +64,7 @@ def main() -> None:
         f"Regenerate with `.venv/bin/python benchmarks/solver_scaling.py` on {os.cpu_count()} cores "
         f"({platform.machine()}), torch {torch.__version__}. GPT-2 (hidden 256, 256 tokens, batch 4, fp32) joint graphs;",
         "each solver timed at three budgets between the fastest plan's peak and the least reachable peak",
-        f"(time limit {args.time_limit:g} s). Target: at most 1 s for 12 layers and at most 10% of the compile time.",
+        f"(safety-net time limit {args.time_limit:g} s; the solvers stop on work limits). Target: at most 1 s for 12 layers and at most 10% of the compile time.",
         "",
         "| layers | joint nodes | capture s | budget | mincut s | mincut est. ms | ilp s | ilp est. ms | ilp gap | auto s | auto solver |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

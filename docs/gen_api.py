@@ -67,7 +67,7 @@ GROUPS = (
     Group(
         "Options, budgets and errors",
         "",
-        ("Options", "parse_budget", "format_bytes", "BudgetError", "VerificationError"),
+        ("Options", "parse_budget", "format_bytes", "BudgetError", "VerificationError", "SolveTimeout"),
     ),
 )
 

@@ -19,6 +19,7 @@ from .options import Options
 from .plan import Plan
 from .recorder import clear_plans, plans
 from .verify import VerificationError
+from .solvers.types import SolveTimeout
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "ParetoPoint",
     "BudgetError",
     "VerificationError",
+    "SolveTimeout",
     "Options",
     "Plan",
     "plans",

@@ -9,6 +9,7 @@ from typing import Literal
 
 from .budget import budget_from_env, parse_budget
 from .hardware import HARDWARE
+from .solvers.types import DEFAULT_TIME_LIMIT
 
 __all__ = ["Options", "INNERS", "ON_INFEASIBLE", "ON_ERROR", "ENV_DUMP_DIR", "ENV_VERIFY"]
 
@@ -46,8 +47,10 @@ class Options:
     """When no plan fits the budget: raise BudgetError, or use the least-memory plan and warn."""
     on_error: Literal["raise", "fallback"] = "raise"
     """When planning fails unexpectedly: raise, or fall back to PyTorch's partitioner and warn."""
-    time_limit: float = 10.0
-    """Seconds the solver may spend per graph before returning its best feasible plan."""
+    time_limit: float = DEFAULT_TIME_LIMIT
+    """Safety net, in seconds, per solve: past it planning stops with ``SolveTimeout`` (raised,
+    or PyTorch's partition with ``on_error="fallback"``). Plans never depend on it: solvers
+    stop on work limits (``math.inf``: no safety net)."""
     dump_dir: str | None = None
     """Folder where each compiled graph's plan is saved (one subfolder per graph)."""
     measure_scratch: bool = True

@@ -51,9 +51,6 @@ TIGHTEN_ROUNDS = 4
 # over the fusion-aware simulation seen on the zoo was 3.0% (transformer, least plan:
 # simulated 925,956 B, measured 953,864 B); predictions add this share on top.
 INDUCTOR_ALLOWANCE = 0.04
-# Floor on the time the least-memory search gets before a BudgetError (min-cut's
-# least-peak search takes 0.7-4.4 s on 1-4k-node graphs; see docs/SOLVER_SCALING.md).
-LEAST_SEARCH_SECONDS = 10.0
 # Key in the forward GraphModule's meta: how many of its outputs the user sees (the
 # rest are saved for the backward). explain's dry compiler reads it.
 USER_OUTPUTS = "fxremat_num_user_outputs"
@@ -218,10 +215,8 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
         if target <= 0:
             break
     assert budget is not None  # without a budget the first plan always fits
-    # The least-memory search gets at least LEAST_SEARCH_SECONDS: a BudgetError must name a
-    # least peak that is really the least fxremat can reach, not a time-starved guess.
-    least_options = SolveOptions(time_limit=max(options.time_limit, LEAST_SEARCH_SECONDS))
-    lowered = lower(analysis, solve(problem, 1, options.solver, least_options), options)
+    # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
+    lowered = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
     note = lowered.decision.note
     fits = lowered.peak <= budget  # the least-memory plan may still fit a budget at its edge
     if not fits:
