@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint docs bench fuzz clean
+.PHONY: setup demo test lint docs bench fuzz zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ bench: $(STAMP)
 # 500 random models and budgets (make test runs 25).
 fuzz: $(STAMP)
 	FXREMAT_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
+
+# Gradients of ~40 real model families (transformers, timm) compiled whole, against eager: docs/ZOO.md.
+# timm and torchvision's Python files go to $(VENV)/zoo-vendor (no second torch; see docs/ZOO.md).
+zoo: $(STAMP)
+	$(PY) benchmarks/zoo.py --setup-timm
+	$(PY) benchmarks/zoo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache
