@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -26,3 +32,14 @@ def compare(ref_model, ref_loss, model, loss, atol=ATOL, rtol=RTOL):
     assert buffers.keys() == ref_buffers.keys()
     for name in ref_buffers:
         torch.testing.assert_close(buffers[name], ref_buffers[name], atol=atol, rtol=rtol, msg=f"buffer {name}")
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module, loaded by path under its own name (``tests/zoo.py``
+    is the module ``zoo`` of the tests, so the benchmark cannot be imported as ``zoo``)."""
+    spec = importlib.util.spec_from_file_location(f"fxremat_benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -7,20 +7,14 @@ markdown table is printed from the recorded rows, failed ones included.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from checks import ROOT, load_benchmark
 
-_spec = importlib.util.spec_from_file_location("fxremat_benchmarks_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-assert _spec is not None and _spec.loader is not None
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gpu_check
-_spec.loader.exec_module(gpu_check)
+gpu_check = load_benchmark("gpu_check")
 
 MIB = 2**20
 
