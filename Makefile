@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint docs bench fuzz zoo clean
+.PHONY: setup demo test lint format docs bench fuzz zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,9 +22,18 @@ demo: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -n 2 tests
 
-# Type-check the package (settings: [tool.mypy] in pyproject.toml).
+# Format check, lint and type check (settings: [tool.ruff], [tool.mypy] in pyproject.toml).
+# `make format` rewrites the files ruff format would change.
+LINTED := fxremat tests benchmarks examples docs/gen_api.py
+
 lint: $(STAMP)
+	$(PY) -m ruff format --check $(LINTED)
+	$(PY) -m ruff check $(LINTED)
 	$(PY) -m mypy fxremat
+
+format: $(STAMP)
+	$(PY) -m ruff format $(LINTED)
+	$(PY) -m ruff check --fix $(LINTED)
 
 # Regenerate docs/API.md from the docstrings (tests/test_api_docs.py checks it is current).
 docs: $(STAMP)
