@@ -51,16 +51,26 @@ def row(model: str, inner: str, which: str) -> dict:
         m = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
     plans = fxremat.plans()
     predicted = max(p.predicted_peak for p in plans)
-    return {"model": model, "inner": inner, "budget_kind": which, "budget": budget, "predicted": predicted,
-            "measured": m.peak_bytes, "graphs": len(plans)}
+    return {
+        "model": model,
+        "inner": inner,
+        "budget_kind": which,
+        "budget": budget,
+        "predicted": predicted,
+        "measured": m.peak_bytes,
+        "graphs": len(plans),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--row", nargs=3, metavar=("MODEL", "INNER", "WHICH"))
     parser.add_argument("--inductor", nargs="*", default=["mlp", "transformer", "cnn", "llama"])
-    parser.add_argument("--keep-eager", action="store_true",
-                        help="reuse the eager rows of the current docs/ACCURACY.md; run only the Inductor rows")
+    parser.add_argument(
+        "--keep-eager",
+        action="store_true",
+        help="reuse the eager rows of the current docs/ACCURACY.md; run only the Inductor rows",
+    )
     args = parser.parse_args()
     if args.row:
         print(json.dumps(row(*args.row)))
@@ -74,7 +84,9 @@ def main() -> None:
     for model, inner, which in jobs:
         out = subprocess.run([sys.executable, __file__, "--row", model, inner, which], capture_output=True, text=True)
         if out.returncode != 0:
-            rows.append({"model": model, "inner": inner, "budget_kind": which, "error": out.stderr.strip().splitlines()[-1]})
+            rows.append(
+                {"model": model, "inner": inner, "budget_kind": which, "error": out.stderr.strip().splitlines()[-1]}
+            )
         else:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
@@ -87,8 +99,17 @@ def _eager_rows(path: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 8 and cells[1] == "eager" and cells[3].isdigit():
-            rows.append({"model": cells[0], "inner": "eager", "budget_kind": cells[2], "budget": int(cells[3]),
-                         "predicted": int(cells[4]), "measured": int(cells[5]), "graphs": int(cells[7])})
+            rows.append(
+                {
+                    "model": cells[0],
+                    "inner": "eager",
+                    "budget_kind": cells[2],
+                    "budget": int(cells[3]),
+                    "predicted": int(cells[4]),
+                    "measured": int(cells[5]),
+                    "graphs": int(cells[7]),
+                }
+            )
     return rows
 
 

@@ -124,49 +124,95 @@ def build_gpt2(quick: bool) -> Workload:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    s = _size(quick, dict(layers=4, hidden=256, tokens=256, batch=4, vocab=8192),
-              dict(layers=2, hidden=64, tokens=64, batch=2, vocab=1024))
-    cfg = GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=4, vocab_size=s["vocab"],
-                     n_positions=s["tokens"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     use_cache=False, attn_implementation="sdpa")
+    s = _size(
+        quick,
+        dict(layers=4, hidden=256, tokens=256, batch=4, vocab=8192),
+        dict(layers=2, hidden=64, tokens=64, batch=2, vocab=1024),
+    )
+    cfg = GPT2Config(
+        n_layer=s["layers"],
+        n_embd=s["hidden"],
+        n_head=4,
+        vocab_size=s["vocab"],
+        n_positions=s["tokens"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     model = GPT2LMHeadModel(cfg)
     # GPT2LMHeadModel sets no loss_type: transformers then warns inside forward, which breaks
     # the graph in two (each planned under the whole budget). Naming it keeps one graph.
     model.loss_type = "ForCausalLM"
     ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
-    return _hf_workload(model, ids, "HF GPT2LMHeadModel, {layers} layers, hidden {hidden}, {tokens} tokens, "
-                        "batch {batch}, vocabulary {vocab}, SDPA, dropout 0".format(**s))
+    return _hf_workload(
+        model,
+        ids,
+        "HF GPT2LMHeadModel, {layers} layers, hidden {hidden}, {tokens} tokens, "
+        "batch {batch}, vocabulary {vocab}, SDPA, dropout 0".format(**s),
+    )
 
 
 def build_llama(quick: bool) -> Workload:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = _size(quick, dict(layers=4, hidden=256, inter=688, tokens=256, batch=4, vocab=8192),
-              dict(layers=2, hidden=64, inter=172, tokens=64, batch=2, vocab=1024))
-    cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                      num_attention_heads=4, num_key_value_heads=4, vocab_size=s["vocab"],
-                      max_position_embeddings=s["tokens"], attention_dropout=0.0, use_cache=False,
-                      attn_implementation="sdpa")
+    s = _size(
+        quick,
+        dict(layers=4, hidden=256, inter=688, tokens=256, batch=4, vocab=8192),
+        dict(layers=2, hidden=64, inter=172, tokens=64, batch=2, vocab=1024),
+    )
+    cfg = LlamaConfig(
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=s["vocab"],
+        max_position_embeddings=s["tokens"],
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
-    return _hf_workload(model, ids, "HF LlamaForCausalLM, {layers} layers, hidden {hidden}, MLP {inter}, "
-                        "{tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA".format(**s))
+    return _hf_workload(
+        model,
+        ids,
+        "HF LlamaForCausalLM, {layers} layers, hidden {hidden}, MLP {inter}, "
+        "{tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA".format(**s),
+    )
 
 
 def build_bert(quick: bool) -> Workload:
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    s = _size(quick, dict(layers=4, hidden=256, tokens=256, batch=4, vocab=8192),
-              dict(layers=2, hidden=64, tokens=64, batch=2, vocab=1024))
-    cfg = BertConfig(hidden_size=s["hidden"], intermediate_size=4 * s["hidden"], num_hidden_layers=s["layers"],
-                     num_attention_heads=4, vocab_size=s["vocab"], max_position_embeddings=s["tokens"],
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    s = _size(
+        quick,
+        dict(layers=4, hidden=256, tokens=256, batch=4, vocab=8192),
+        dict(layers=2, hidden=64, tokens=64, batch=2, vocab=1024),
+    )
+    cfg = BertConfig(
+        hidden_size=s["hidden"],
+        intermediate_size=4 * s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=4,
+        vocab_size=s["vocab"],
+        max_position_embeddings=s["tokens"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
     model = BertForMaskedLM(cfg)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
-    return _hf_workload(model, ids, "HF BertForMaskedLM, {layers} layers, hidden {hidden}, {tokens} tokens, "
-                        "batch {batch}, vocabulary {vocab}, SDPA, dropout 0, every token a label".format(**s))
+    return _hf_workload(
+        model,
+        ids,
+        "HF BertForMaskedLM, {layers} layers, hidden {hidden}, {tokens} tokens, "
+        "batch {batch}, vocabulary {vocab}, SDPA, dropout 0, every token a label".format(**s),
+    )
 
 
 def _checkpointed(blocks, x):
@@ -186,8 +232,9 @@ def build_mlp(quick: bool) -> Workload:
     class MLPChain(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(s["width"], s["width"]), nn.GELU())
-                                        for _ in range(s["depth"]))
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(s["width"], s["width"]), nn.GELU()) for _ in range(s["depth"])
+            )
             self.checkpoint = False
 
         def forward(self, x, y):
@@ -201,8 +248,13 @@ def build_mlp(quick: bool) -> Workload:
     model = MLPChain()
     x = torch.randn(s["batch"], s["width"])
     y = torch.randn(s["batch"], s["width"])
-    return Workload(model, lambda m: m(x, y), lambda: setattr(model, "checkpoint", True),
-                    "chain of {depth} x (Linear {width}x{width} + GELU), batch {batch}, MSE loss".format(**s), (x, y))
+    return Workload(
+        model,
+        lambda m: m(x, y),
+        lambda: setattr(model, "checkpoint", True),
+        "chain of {depth} x (Linear {width}x{width} + GELU), batch {batch}, MSE loss".format(**s),
+        (x, y),
+    )
 
 
 def build_cnn(quick: bool) -> Workload:
@@ -210,8 +262,7 @@ def build_cnn(quick: bool) -> Workload:
     import torch.nn as nn
     import torch.nn.functional as F
 
-    s = _size(quick, dict(widths=(16, 32, 64, 128), image=64, batch=16),
-              dict(widths=(8, 16), image=16, batch=4))
+    s = _size(quick, dict(widths=(16, 32, 64, 128), image=64, batch=16), dict(widths=(8, 16), image=16, batch=4))
 
     class Residual(nn.Module):
         def __init__(self, cin, cout, stride):
@@ -220,8 +271,11 @@ def build_cnn(quick: bool) -> Workload:
             self.bn1 = nn.BatchNorm2d(cout)
             self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
             self.bn2 = nn.BatchNorm2d(cout)
-            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                         if stride != 1 or cin != cout else nn.Identity())
+            self.skip = (
+                nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                if stride != 1 or cin != cout
+                else nn.Identity()
+            )
 
         def forward(self, x):
             h = F.relu(self.bn1(self.conv1(x)))
@@ -252,10 +306,14 @@ def build_cnn(quick: bool) -> Workload:
     model = ResNet()
     x = torch.randn(s["batch"], 3, s["image"], s["image"])
     y = torch.randint(0, 10, (s["batch"],))
-    return Workload(model, lambda m: m(x, y), lambda: setattr(model, "checkpoint", True),
-                    "ResNet-style, {n} stages x 2 residual blocks (conv3x3-BN-ReLU), widths {widths}, "
-                    "{image}x{image} images, batch {batch}, BatchNorm in training mode".format(
-                        n=len(s["widths"]), **s), (x, y))
+    return Workload(
+        model,
+        lambda m: m(x, y),
+        lambda: setattr(model, "checkpoint", True),
+        "ResNet-style, {n} stages x 2 residual blocks (conv3x3-BN-ReLU), widths {widths}, "
+        "{image}x{image} images, batch {batch}, BatchNorm in training mode".format(n=len(s["widths"]), **s),
+        (x, y),
+    )
 
 
 MODELS = {"gpt2": build_gpt2, "llama": build_llama, "mlp": build_mlp, "cnn": build_cnn, "bert": build_bert}
@@ -269,8 +327,9 @@ QUICK_MODELS = ("gpt2", "mlp")
 # ---------------------------------------------------------------------------
 
 
-def run_row(model_name: str, strategy: str, budget: Optional[int], on_infeasible: str,
-            quick: bool, reps: int, warmup: int) -> dict:
+def run_row(
+    model_name: str, strategy: str, budget: Optional[int], on_infeasible: str, quick: bool, reps: int, warmup: int
+) -> dict:
     """Build, compile and measure one (model, strategy); returns the row as a dict."""
     import warnings
 
@@ -284,9 +343,16 @@ def run_row(model_name: str, strategy: str, budget: Optional[int], on_infeasible
     work = MODELS[model_name](quick)
     module = work.model
     module.train()
-    row = dict(model=model_name, strategy=strategy, budget=budget, on_infeasible=on_infeasible,
-               description=work.description, threads=torch.get_num_threads(), load_start=os.getloadavg()[0],
-               fxremat=git_state())
+    row = dict(
+        model=model_name,
+        strategy=strategy,
+        budget=budget,
+        on_infeasible=on_infeasible,
+        description=work.description,
+        threads=torch.get_num_threads(),
+        load_start=os.getloadavg()[0],
+        fxremat=git_state(),
+    )
 
     if strategy == "checkpoint":
         work.enable_checkpointing()
@@ -349,8 +415,13 @@ def row_main(args) -> None:
         import traceback
 
         traceback.print_exc()
-        row = dict(model=args.row[0], strategy=args.row[1], budget=args.budget, on_infeasible=args.on_infeasible,
-                   error=f"{type(exc).__name__}: {str(exc).strip().split(chr(10) * 2)[0][:500]}")
+        row = dict(
+            model=args.row[0],
+            strategy=args.row[1],
+            budget=args.budget,
+            on_infeasible=args.on_infeasible,
+            error=f"{type(exc).__name__}: {str(exc).strip().split(chr(10) * 2)[0][:500]}",
+        )
     print(ROW_MARK + json.dumps(row), flush=True)
 
 
@@ -370,25 +441,50 @@ class Runner:
         self.rows: list[dict] = []
         self.start = time.perf_counter()
 
-    def row(self, model: str, strategy: str, label: str, budget: Optional[int] = None,
-            on_infeasible: str = "error", role: str = "") -> dict:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--row", model, strategy,
-               "--reps", str(self.args.reps), "--warmup", str(self.args.warmup), "--on-infeasible", on_infeasible]
+    def row(
+        self,
+        model: str,
+        strategy: str,
+        label: str,
+        budget: Optional[int] = None,
+        on_infeasible: str = "error",
+        role: str = "",
+    ) -> dict:
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--row",
+            model,
+            strategy,
+            "--reps",
+            str(self.args.reps),
+            "--warmup",
+            str(self.args.warmup),
+            "--on-infeasible",
+            on_infeasible,
+        ]
         if budget is not None:
             cmd += ["--budget", str(budget)]
         if self.args.quick:
             cmd.append("--quick")
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.cache), TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-                   OMP_NUM_THREADS=str(self.args.threads), MKL_NUM_THREADS=str(self.args.threads),
-                   TORCHINDUCTOR_AUTOGRAD_CACHE="0", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=str(self.cache),
+            TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+            OMP_NUM_THREADS=str(self.args.threads),
+            MKL_NUM_THREADS=str(self.args.threads),
+            TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+            PYTHONWARNINGS="ignore",
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.pop("FXREMAT_BUDGET", None)
         log = self.logs / f"{len(self.rows):02d}-{model}-{strategy}-{budget}.log"
-        cold = not any(r["model"] == model and r["strategy"] != "eager" and r["strategy"] != "checkpoint"
-                       for r in self.rows)
+        cold = not any(
+            r["model"] == model and r["strategy"] != "eager" and r["strategy"] != "checkpoint" for r in self.rows
+        )
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=self.args.row_timeout)
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=self.args.row_timeout)
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -397,12 +493,21 @@ class Runner:
         log.write_text(f"$ {' '.join(cmd)}\n--- rc {rc}\n--- stdout\n{out}\n--- stderr\n{err}\n")
         lines = [line for line in out.splitlines() if line.startswith(ROW_MARK)]
         if lines:
-            row = json.loads(lines[-1][len(ROW_MARK):])
+            row = json.loads(lines[-1][len(ROW_MARK) :])
         else:
-            row = dict(model=model, strategy=strategy, budget=budget, on_infeasible=on_infeasible,
-                       error=f"row process ended without a result (rc {rc}); log {log}")
-        row.update(label=label, role=role, wall_s=time.perf_counter() - t0,
-                   kernel_cache="cold" if cold and strategy not in ("eager", "checkpoint") else "shared")
+            row = dict(
+                model=model,
+                strategy=strategy,
+                budget=budget,
+                on_infeasible=on_infeasible,
+                error=f"row process ended without a result (rc {rc}); log {log}",
+            )
+        row.update(
+            label=label,
+            role=role,
+            wall_s=time.perf_counter() - t0,
+            kernel_cache="cold" if cold and strategy not in ("eager", "checkpoint") else "shared",
+        )
         self._add(row)
         return row
 
@@ -410,9 +515,16 @@ class Runner:
         """Keep the row, print it, and save the results so far (a killed run can still be rendered)."""
         self.rows.append(row)
         self._report(row)
-        partial = dict(rows=self.rows, machine=machine(), command=self.command, reps=self.args.reps,
-                       threads=self.args.threads,
-                       warmup=self.args.warmup, wall_s=time.perf_counter() - self.start, quick=self.args.quick)
+        partial = dict(
+            rows=self.rows,
+            machine=machine(),
+            command=self.command,
+            reps=self.args.reps,
+            threads=self.args.threads,
+            warmup=self.args.warmup,
+            wall_s=time.perf_counter() - self.start,
+            quick=self.args.quick,
+        )
         (self.workdir / "results.json").write_text(json.dumps(partial, indent=1))
 
     def _report(self, row: dict) -> None:
@@ -420,8 +532,10 @@ class Runner:
         if "error" in row:
             status = "FAILED: " + row["error"][:200]
         else:
-            status = (f"peak {row['peak_bytes'] / MIB:8.1f} MiB  step {row['step_s'] * 1e3:8.0f} ms  "
-                      f"compile {row['compile_s']:6.1f} s")
+            status = (
+                f"peak {row['peak_bytes'] / MIB:8.1f} MiB  step {row['step_s'] * 1e3:8.0f} ms  "
+                f"compile {row['compile_s']:6.1f} s"
+            )
             if row.get("predicted_peak") is not None:
                 status += f"  predicted {row['predicted_peak'] / MIB:7.1f} MiB  solve {row['solve_s'] * 1e3:6.0f} ms"
         print(f"[{elapsed:7.0f} s] {row['model']:<6} {row['label']:<34} {status}  ({row['wall_s']:.0f} s)", flush=True)
@@ -431,8 +545,9 @@ class Runner:
         for strategy in BASELINES:
             base[strategy] = self.row(name, strategy, strategy)
         fastest = self.row(name, "fxremat", "fxremat, no budget", role="fastest")
-        least = self.row(name, "fxremat", "fxremat, least (budget 1 B, min)", budget=1, on_infeasible="min",
-                         role="least")
+        least = self.row(
+            name, "fxremat", "fxremat, least (budget 1 B, min)", budget=1, on_infeasible="min", role="least"
+        )
         hi, lo = fastest.get("predicted_peak"), least.get("predicted_peak")
         if hi is None or lo is None:
             return
@@ -450,16 +565,32 @@ class Runner:
             if budget < lo:
                 # Below the least reachable predicted peak: fxremat raises BudgetError at compile
                 # time (on_infeasible="error"), so the row is recorded without spending a compile.
-                row = dict(model=name, strategy="fxremat", budget=budget, on_infeasible="error", label=label,
-                           role=why, wall_s=0.0, infeasible=True,
-                           error=f"infeasible: budget {_mib(budget)} MiB is below the least reachable predicted "
-                                 f"peak {_mib(lo)} MiB (BudgetError at compile time; not run)")
+                row = dict(
+                    model=name,
+                    strategy="fxremat",
+                    budget=budget,
+                    on_infeasible="error",
+                    label=label,
+                    role=why,
+                    wall_s=0.0,
+                    infeasible=True,
+                    error=f"infeasible: budget {_mib(budget)} MiB is below the least reachable predicted "
+                    f"peak {_mib(lo)} MiB (BudgetError at compile time; not run)",
+                )
                 self._add(row)
             elif budget >= hi:
-                row = dict(model=name, strategy="fxremat", budget=budget, on_infeasible="error", label=label,
-                           role=why, wall_s=0.0, infeasible=False,
-                           error=f"not run: budget {_mib(budget)} MiB is at or above the fastest plan's predicted "
-                                 f"peak {_mib(hi)} MiB, so the plan is the no-budget row's")
+                row = dict(
+                    model=name,
+                    strategy="fxremat",
+                    budget=budget,
+                    on_infeasible="error",
+                    label=label,
+                    role=why,
+                    wall_s=0.0,
+                    infeasible=False,
+                    error=f"not run: budget {_mib(budget)} MiB is at or above the fastest plan's predicted "
+                    f"peak {_mib(hi)} MiB, so the plan is the no-budget row's",
+                )
                 self._add(row)
             else:
                 self.row(name, "fxremat", label, budget=budget, role=why)
@@ -528,12 +659,15 @@ def checks(rows: list[dict]) -> dict:
     over = [r for r in budgeted if r["peak_bytes"] > effective(r)]
     rises = [(a, b) for a, b in zip(budgeted, budgeted[1:]) if b["peak_bytes"] > a["peak_bytes"]]
     failed = [r for r in rows if r["strategy"] == "fxremat" and _failed(r)]
-    out["a"] = dict(ok=bool(budgeted) and not over and not rises and not failed, n=len(budgeted),
-                    explicit=sum(1 for r in budgeted if r.get("role") not in ("fastest", "least")),
-                    over=[(effective(r), r["peak_bytes"]) for r in over],
-                    rises=[(effective(a), a["peak_bytes"], effective(b), b["peak_bytes"]) for a, b in rises],
-                    failed=[(r.get("budget"), r["error"][:160]) for r in failed],
-                    worst=max((r["peak_bytes"] / effective(r) for r in budgeted), default=None))
+    out["a"] = dict(
+        ok=bool(budgeted) and not over and not rises and not failed,
+        n=len(budgeted),
+        explicit=sum(1 for r in budgeted if r.get("role") not in ("fastest", "least")),
+        over=[(effective(r), r["peak_bytes"]) for r in over],
+        rises=[(effective(a), a["peak_bytes"], effective(b), b["peak_bytes"]) for a, b in rises],
+        failed=[(r.get("budget"), r["error"][:160]) for r in failed],
+        worst=max((r["peak_bytes"] / effective(r) for r in budgeted), default=None),
+    )
 
     # (b) for every other strategy, an fxremat point within 2% on both axes.
     dom = []
@@ -544,9 +678,19 @@ def checks(rows: list[dict]) -> dict:
             ratio = best[key] / o[key] if best else None
             ok = ratio is not None and ratio <= DOMINANCE_SLACK
             ratio_min = min(_step_min(f) for f in cands) / _step_min(o) if cands else None
-            dom.append(dict(strategy=o["strategy"], peak=o["peak_bytes"], step=o[key], ok=ok,
-                            best_label=best["label"] if best else None, best_peak=best["peak_bytes"] if best else None,
-                            best_step=best[key] if best else None, ratio=ratio, ratio_min=ratio_min))
+            dom.append(
+                dict(
+                    strategy=o["strategy"],
+                    peak=o["peak_bytes"],
+                    step=o[key],
+                    ok=ok,
+                    best_label=best["label"] if best else None,
+                    best_peak=best["peak_bytes"] if best else None,
+                    best_step=best[key] if best else None,
+                    ratio=ratio,
+                    ratio_min=ratio_min,
+                )
+            )
     out["b"] = dict(ok=bool(dom) and all(d["ok"] for d in dom), rows=dom)
 
     # (c) at half of Inductor default's measured peak: the budget row there, else the fastest
@@ -616,10 +760,17 @@ def _x(r) -> str:
 def git_state() -> str:
     """``HEAD``'s short hash, plus a note when fxremat/ has uncommitted changes."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "fxremat"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip())
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "fxremat"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+        )
     except OSError:
         return "unknown"
     return commit + (" (fxremat/ modified)" if dirty else "")
@@ -642,9 +793,16 @@ def machine() -> dict:
         mem = f"{kb / 2**20:.0f} GiB"
     except (OSError, ValueError, IndexError):
         pass
-    return dict(nproc=os.cpu_count(), cpu=cpu, memory=mem, torch=torch.__version__, python=platform.python_version(),
-                threads=torch.get_num_threads(), commit=git_state(),
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
+    return dict(
+        nproc=os.cpu_count(),
+        cpu=cpu,
+        memory=mem,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        commit=git_state(),
+        date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+    )
 
 
 def render_model(name: str, rows: list[dict], plot: str) -> list[str]:
@@ -652,30 +810,36 @@ def render_model(name: str, rows: list[dict], plot: str) -> list[str]:
     others = _others(rows)
     desc = next((r["description"] for r in ok), "")
     lines = [f"### {name}", "", desc, "", f"![Pareto front of {name}]({plot})", ""]
-    lines += ["| strategy | budget MiB | peak MiB | step ms (median) | step ms (min) | compile s | "
-              "solve ms | predicted MiB | vs fastest other at <= peak | loss | load |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| strategy | budget MiB | peak MiB | step ms (median) | step ms (min) | compile s | "
+        "solve ms | predicted MiB | vs fastest other at <= peak | loss | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             tag = "FAILED: " if _failed(r) else ""
-            lines.append(f"| {r['label']} | {_mib(r.get('budget')) if r.get('budget', 1) != 1 else ''} | "
-                         f"{tag}{r['error'][:160].replace('|', '/')} | | | | | | | | |")
+            lines.append(
+                f"| {r['label']} | {_mib(r.get('budget')) if r.get('budget', 1) != 1 else ''} | "
+                f"{tag}{r['error'][:160].replace('|', '/')} | | | | | | | | |"
+            )
             continue
         budget = "" if r.get("budget") in (None, 1) else _mib(r["budget"])
         vs = ""
         if r["strategy"] == "fxremat":
             best = best_at_or_below(others, r["peak_bytes"])
-            vs = (f"{r['step_s'] / best['step_s']:.2f}x vs {best['strategy']}" if best
-                  else "none at <= this peak")
+            vs = f"{r['step_s'] / best['step_s']:.2f}x vs {best['strategy']}" if best else "none at <= this peak"
             if r.get("budget") not in (None, 1) and r["peak_bytes"] > r["budget"]:
                 vs += f"; **over budget {r['peak_bytes'] / r['budget']:.3f}x**"
         cold = " (cold)" if r.get("kernel_cache") == "cold" else ""
-        comp = f"{r['compile_s']:.1f}{cold}" if r["strategy"] not in ("eager", "checkpoint") else f"{r['compile_s']:.1f}"
+        comp = (
+            f"{r['compile_s']:.1f}{cold}" if r["strategy"] not in ("eager", "checkpoint") else f"{r['compile_s']:.1f}"
+        )
         infeasible = "" if r.get("feasible", True) or r.get("role") == "least" else " (infeasible: least plan)"
         lines.append(
             f"| {r['label']}{infeasible} | {budget} | {_mib(r['peak_bytes'])} | {_ms(r['step_s'])} | "
             f"{_ms(_step_min(r))} | {comp} | {_ms(r.get('solve_s')) if 'solve_s' in r else ''} | "
-            f"{_mib(r.get('predicted_peak'))} | {vs} | {r['loss']:.4f} | {r['load_start']:.1f} |")
+            f"{_mib(r.get('predicted_peak'))} | {vs} | {r['loss']:.4f} | {r['load_start']:.1f} |"
+        )
     lines.append("")
     return lines
 
@@ -686,13 +850,18 @@ def render_checks(name: str, c: dict) -> list[str]:
 
     lines = [f"Acceptance checks, {name}:", ""]
     a = c["a"]
-    detail = (f"{a['explicit']} budget rows + the no-budget and least rows at their predicted peaks; "
-              f"largest measured/budget {a['worst']:.2f}" if a["worst"] is not None else "no budgeted fxremat row")
+    detail = (
+        f"{a['explicit']} budget rows + the no-budget and least rows at their predicted peaks; "
+        f"largest measured/budget {a['worst']:.2f}"
+        if a["worst"] is not None
+        else "no budgeted fxremat row"
+    )
     if a["over"]:
         detail += "; over budget: " + ", ".join(f"{_mib(b)} MiB budget -> {_mib(p)} MiB" for b, p in a["over"])
     if a["rises"]:
         detail += "; peak rises as budget shrinks: " + ", ".join(
-            f"{_mib(b1)} -> {_mib(p1)} then {_mib(b2)} -> {_mib(p2)}" for b1, p1, b2, p2 in a["rises"])
+            f"{_mib(b1)} -> {_mib(p1)} then {_mib(b2)} -> {_mib(p2)}" for b1, p1, b2, p2 in a["rises"]
+        )
     if a["failed"]:
         detail += "; failed rows: " + ", ".join(f"{_mib(b)} MiB ({e})" for b, e in a["failed"])
     lines.append(f"- (a) measured peak <= budget and non-increasing: **{mark(a['ok'])}** ({detail})")
@@ -702,35 +871,47 @@ def render_checks(name: str, c: dict) -> list[str]:
         if d["best_label"] is None:
             parts.append(f"{d['strategy']} ({_mib(d['peak'])} MiB): no fxremat point at <= 1.02x its peak")
         else:
-            parts.append(f"{d['strategy']} ({_mib(d['peak'])} MiB, {_ms(d['step'])} ms) vs {d['best_label']} "
-                         f"({_mib(d['best_peak'])} MiB, {_ms(d['best_step'])} ms): {d['ratio']:.2f}x time "
-                         f"(min-of-reps {d['ratio_min']:.2f}x){'' if d['ok'] else ' **MISS**'}")
-    lines.append(f"- (b) fxremat's front within 1.02x of every other strategy: **{mark(b['ok'])}**; " + "; ".join(parts))
+            parts.append(
+                f"{d['strategy']} ({_mib(d['peak'])} MiB, {_ms(d['step'])} ms) vs {d['best_label']} "
+                f"({_mib(d['best_peak'])} MiB, {_ms(d['best_step'])} ms): {d['ratio']:.2f}x time "
+                f"(min-of-reps {d['ratio_min']:.2f}x){'' if d['ok'] else ' **MISS**'}"
+            )
+    lines.append(
+        f"- (b) fxremat's front within 1.02x of every other strategy: **{mark(b['ok'])}**; " + "; ".join(parts)
+    )
     cc = c["c"]
     if cc.get("inductor") is None:
         lines.append("- (c) half of Inductor's peak: **MISS** (no Inductor row)")
     elif cc.get("row") is None:
         least = cc.get("least")
-        lines.append(f"- (c) at half of Inductor's peak ({_mib(cc['half'])} MiB): **MISS**, no fxremat row reached it"
-                     + (f" (least measured {_mib(least['peak_bytes'])} MiB, {least['label']})" if least else "")
-                     + (f"; {cc['note'][:200]}" if cc.get("note") else ""))
+        lines.append(
+            f"- (c) at half of Inductor's peak ({_mib(cc['half'])} MiB): **MISS**, no fxremat row reached it"
+            + (f" (least measured {_mib(least['peak_bytes'])} MiB, {least['label']})" if least else "")
+            + (f"; {cc['note'][:200]}" if cc.get("note") else "")
+        )
     else:
         h = cc["row"]
-        lines.append(f"- (c) at half of Inductor's peak ({_mib(cc['half'])} MiB; {cc['how']}: {h['label']}): measured "
-                     f"{_mib(h['peak_bytes'])} MiB, {_ms(h['step_s'])} ms vs Inductor {_ms(cc['inductor']['step_s'])} ms "
-                     f"= **{cc['ratio']:.2f}x** (min-of-reps {cc['ratio_min']:.2f}x; target <= {HALF_PEAK_TARGET:.2f}x): "
-                     f"**{mark(cc['ok'])}**" + (f"; note: {cc['note'][:200]}" if cc.get("note") else ""))
+        lines.append(
+            f"- (c) at half of Inductor's peak ({_mib(cc['half'])} MiB; {cc['how']}: {h['label']}): measured "
+            f"{_mib(h['peak_bytes'])} MiB, {_ms(h['step_s'])} ms vs Inductor {_ms(cc['inductor']['step_s'])} ms "
+            f"= **{cc['ratio']:.2f}x** (min-of-reps {cc['ratio_min']:.2f}x; target <= {HALF_PEAK_TARGET:.2f}x): "
+            f"**{mark(cc['ok'])}**" + (f"; note: {cc['note'][:200]}" if cc.get("note") else "")
+        )
     d = c["d"]
     if d.get("ratio") is None:
         lines.append("- (d) least peak: **MISS** (missing rows)")
     else:
-        lines.append(f"- (d) least measured peak: fxremat {_mib(d['fx']['peak_bytes'])} MiB ({d['fx']['label']}) vs "
-                     f"{d['other']['strategy']} {_mib(d['other']['peak_bytes'])} MiB = **{d['ratio']:.2f}x** "
-                     f"(target <= {LEAST_PEAK_TARGET:.2f}x): **{mark(d['ok'])}**")
+        lines.append(
+            f"- (d) least measured peak: fxremat {_mib(d['fx']['peak_bytes'])} MiB ({d['fx']['label']}) vs "
+            f"{d['other']['strategy']} {_mib(d['other']['peak_bytes'])} MiB = **{d['ratio']:.2f}x** "
+            f"(target <= {LEAST_PEAK_TARGET:.2f}x): **{mark(d['ok'])}**"
+        )
     g = c["grads"]
-    lines.append("- gradients: first-step loss and gradient norm of every row agree with eager's within "
-                 f"{GRAD_RTOL:g}: **{mark(g['ok'])}**" + ("" if g["ok"] else "; " + ", ".join(
-                     f"{lab} {k} {v:.6g} vs {e:.6g}" for lab, k, v, e in g["bad"])))
+    lines.append(
+        "- gradients: first-step loss and gradient norm of every row agree with eager's within "
+        f"{GRAD_RTOL:g}: **{mark(g['ok'])}**"
+        + ("" if g["ok"] else "; " + ", ".join(f"{lab} {k} {v:.6g} vs {e:.6g}" for lab, k, v, e in g["bad"]))
+    )
     lines.append("")
     return lines
 
@@ -748,19 +929,24 @@ def plot_model(name: str, rows: list[dict], path: Path) -> None:
     for r in _others(rows):
         lo, hi = _step_min(r) * 1e3, max(r["all_step_s"]) * 1e3
         y = r["step_s"] * 1e3
-        ax.errorbar([r["peak_bytes"] / MIB], [y], yerr=[[y - lo], [hi - y]], fmt=MARKERS.get(r["strategy"], "o"),
-                    capsize=3, markersize=8, label=r["strategy"])
+        ax.errorbar(
+            [r["peak_bytes"] / MIB],
+            [y],
+            yerr=[[y - lo], [hi - y]],
+            fmt=MARKERS.get(r["strategy"], "o"),
+            capsize=3,
+            markersize=8,
+            label=r["strategy"],
+        )
     fx = sorted(_fx(rows), key=lambda r: r["peak_bytes"])
     if fx:
         xs = [r["peak_bytes"] / MIB for r in fx]
         ys = [r["step_s"] * 1e3 for r in fx]
         lo = [y - _step_min(r) * 1e3 for y, r in zip(ys, fx)]
         hi = [max(r["all_step_s"]) * 1e3 - y for y, r in zip(ys, fx)]
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-x", color="black", capsize=3, markersize=8,
-                    label="fxremat (budgets)")
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-x", color="black", capsize=3, markersize=8, label="fxremat (budgets)")
         for r, x, y in zip(fx, xs, ys):
-            tag = ("none" if r.get("budget") is None else "min" if r.get("budget") == 1
-                   else f"{r['budget'] / MIB:.0f}")
+            tag = "none" if r.get("budget") is None else "min" if r.get("budget") == 1 else f"{r['budget'] / MIB:.0f}"
             ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("measured peak above baseline (MiB)")
     ax.set_ylabel("step time, median (ms); bars: min..max of reps")
@@ -778,16 +964,22 @@ def render(results: dict, docs: Path) -> Path:
     rows = results["rows"]
     m = results["machine"]
     models = list(dict.fromkeys(r["model"] for r in rows))
-    gen = [BEGIN, "",
-           f"Generated {m['date']} by `{results['command']}` in {results['wall_s'] / 60:.1f} min.",
-           "",
-           f"Machine: {m['nproc']} CPUs (`nproc`), {m['cpu']}, {m['memory']} RAM, torch {m['torch']} "
-           f"({results.get('threads', m['threads'])} intra-op thread(s) per row), Python {m['python']}, fxremat at {m['commit']}. "
-           f"Reps: {results['reps']} timed steps after {results['warmup']} warm-up step(s); "
-           f"'load' is the 1-minute load average when the row started (other processes on the machine).",
-           ""]
-    summary = ["| model | (a) peak <= budget, monotone | (b) front within 1.02x | (c) time at half Inductor's peak "
-               "| (d) least peak vs others | gradients |", "|---|---|---|---|---|---|"]
+    gen = [
+        BEGIN,
+        "",
+        f"Generated {m['date']} by `{results['command']}` in {results['wall_s'] / 60:.1f} min.",
+        "",
+        f"Machine: {m['nproc']} CPUs (`nproc`), {m['cpu']}, {m['memory']} RAM, torch {m['torch']} "
+        f"({results.get('threads', m['threads'])} intra-op thread(s) per row), Python {m['python']}, fxremat at {m['commit']}. "
+        f"Reps: {results['reps']} timed steps after {results['warmup']} warm-up step(s); "
+        f"'load' is the 1-minute load average when the row started (other processes on the machine).",
+        "",
+    ]
+    summary = [
+        "| model | (a) peak <= budget, monotone | (b) front within 1.02x | (c) time at half Inductor's peak "
+        "| (d) least peak vs others | gradients |",
+        "|---|---|---|---|---|---|",
+    ]
     body = []
     for name in models:
         mrows = [r for r in rows if r["model"] == name]
@@ -802,13 +994,18 @@ def render(results: dict, docs: Path) -> Path:
             return ("PASS" if c[key]["ok"] else "MISS") + ("" if v is None else f" ({v:.2f}x)")
 
         nb = sum(1 for d in c["b"]["rows"] if d["ok"])
-        summary.append(f"| {name} | {'PASS' if c['a']['ok'] else 'MISS'} ({c['a']['n']} budgets) | "
-                       f"{'PASS' if c['b']['ok'] else 'MISS'} ({nb}/{len(c['b']['rows'])} dominated) | {fig('c')} | "
-                       f"{fig('d')} | {'PASS' if c['grads']['ok'] else 'MISS'} |")
+        summary.append(
+            f"| {name} | {'PASS' if c['a']['ok'] else 'MISS'} ({c['a']['n']} budgets) | "
+            f"{'PASS' if c['b']['ok'] else 'MISS'} ({nb}/{len(c['b']['rows'])} dominated) | {fig('c')} | "
+            f"{fig('d')} | {'PASS' if c['grads']['ok'] else 'MISS'} |"
+        )
     versions = list(dict.fromkeys(r["fxremat"] for r in rows if r.get("fxremat")))
     if len(versions) > 1:
-        gen += [f"fxremat's source changed during the run; rows ran against {', '.join(versions)} "
-                "(each row's version is in results.json).", ""]
+        gen += [
+            f"fxremat's source changed during the run; rows ran against {', '.join(versions)} "
+            "(each row's version is in results.json).",
+            "",
+        ]
     gen += ["#### Acceptance checks, all models", ""] + summary + [""] + body + [END]
 
     path = docs / DOC_NAME
@@ -824,8 +1021,10 @@ def render(results: dict, docs: Path) -> Path:
 
 
 def _skeleton() -> str:
-    return ("# Benchmarks\n\nfxremat against what users pick today, side by side in one run. "
-            "Regenerate with `make bench` (`python benchmarks/compare.py`).\n\n")
+    return (
+        "# Benchmarks\n\nfxremat against what users pick today, side by side in one run. "
+        "Regenerate with `make bench` (`python benchmarks/compare.py`).\n\n"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -839,19 +1038,38 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=None, help="fxremat budget in bytes (--row only)")
     parser.add_argument("--on-infeasible", default="error", choices=["error", "min"])
     parser.add_argument("--quick", action="store_true", help="small models, few budgets and reps (smoke run)")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="models to run (default: gpt2 llama mlp cnn bert; quick: gpt2 mlp)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        help="models to run (default: gpt2 llama mlp cnn bert; quick: gpt2 mlp)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed steps per row (default 5; quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring")
-    parser.add_argument("--interior", type=int, default=None,
-                        help="budgets strictly between fxremat's fastest and least peaks (default 1; quick 0)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads of each row (OMP_NUM_THREADS; default 1: on a shared 2-core "
-                             "machine two threads made step times vary 2-4x between reps)")
+    parser.add_argument(
+        "--interior",
+        type=int,
+        default=None,
+        help="budgets strictly between fxremat's fastest and least peaks (default 1; quick 0)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads of each row (OMP_NUM_THREADS; default 1: on a shared 2-core "
+        "machine two threads made step times vary 2-4x between reps)",
+    )
     parser.add_argument("--row-timeout", type=float, default=420.0, help="seconds before a row is killed and marked")
-    parser.add_argument("--docs", type=Path, default=None,
-                        help="where BENCHMARKS.md and the PNGs go (default docs/; quick: a temp dir)")
-    parser.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
-                        help="only regenerate the docs from a saved results.json")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="where BENCHMARKS.md and the PNGs go (default docs/; quick: a temp dir)"
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only regenerate the docs from a saved results.json",
+    )
     args = parser.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 5)
     args.interior = args.interior if args.interior is not None else (0 if args.quick else 1)
@@ -868,8 +1086,11 @@ def main(argv=None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="fxremat-bench-"))
     docs = args.docs or (workdir / "docs" if args.quick else DOCS)
     models = args.models or list(QUICK_MODELS if args.quick else DEFAULT_MODELS)
-    command = "python benchmarks/compare.py" + (" --quick" if args.quick else "") + (
-        f" --models {' '.join(args.models)}" if args.models else "")
+    command = (
+        "python benchmarks/compare.py"
+        + (" --quick" if args.quick else "")
+        + (f" --models {' '.join(args.models)}" if args.models else "")
+    )
     print(f"fxremat benchmarks: models {models}; logs and kernel cache in {workdir}", flush=True)
     runner = Runner(args, workdir, command)
     for name in models:

@@ -58,7 +58,9 @@ def _forward_nodes(joint) -> list:
     backward: set = set()
     out = []
     for node in joint.graph.nodes:
-        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(a in backward for a in node.all_input_nodes):
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
+            a in backward for a in node.all_input_nodes
+        ):
             backward.add(node)
         elif node.op == "call_function":
             out.append(node)
@@ -74,7 +76,12 @@ def _cases():
     for dim, tokens, batch in BLOCKS:
         torch.manual_seed(0)
         block = Block(dim, heads=8)
-        yield f"Block {dim}, {batch}x{tokens} tokens", block, (torch.randn(batch, tokens, dim),), (lambda b: lambda x: b(x).square().mean())(block)
+        yield (
+            f"Block {dim}, {batch}x{tokens} tokens",
+            block,
+            (torch.randn(batch, tokens, dim),),
+            (lambda b: lambda x: b(x).square().mean())(block),
+        )
     for name in ZOO_MODELS:
         model, inputs = ZOO[name]()
         yield f"zoo {name}", model, inputs, model
@@ -119,8 +126,19 @@ def run_config(threads: int) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compiled = _median_seconds(lambda: compiled_fn(*inputs))
-        rows.append({"case": name, "graphs": graphs, "gflop": flops / 1e9, "estimated": estimated,
-                     "calibrated": calibrated, "timed": timed, "nodes": total, "eager": eager, "compiled": compiled})
+        rows.append(
+            {
+                "case": name,
+                "graphs": graphs,
+                "gflop": flops / 1e9,
+                "estimated": estimated,
+                "calibrated": calibrated,
+                "timed": timed,
+                "nodes": total,
+                "eager": eager,
+                "compiled": compiled,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return [{"profile": {k: v for k, v in vars(hw).items() if k != "name"}, "load": os.getloadavg()[0]}] + rows
 
@@ -137,7 +155,9 @@ def main() -> None:
     for label, (conf, env) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as cache:
             out = subprocess.run(
-                [sys.executable, __file__, "--config", conf["threads"]], capture_output=True, text=True,
+                [sys.executable, __file__, "--config", conf["threads"]],
+                capture_output=True,
+                text=True,
                 env={**os.environ, **env, "FXREMAT_CACHE_DIR": cache},
             )
         if out.returncode != 0:
@@ -155,7 +175,7 @@ def write(results: dict, seconds: float) -> None:
         "Estimated: the sum of the roofline seconds of the joint graph's forward nodes under the `cpu` profile,",
         "measured afresh at the start of each configuration. Calibrated: the same nodes timed on this host",
         "(`calibrate=True`; timed/total forward nodes in the column). Measured: median wall time of the eager",
-        "forward (`no_grad`) and of the fxremat-compiled forward (`inner=\"eager\"`). Ratios are measured / estimated",
+        'forward (`no_grad`) and of the fxremat-compiled forward (`inner="eager"`). Ratios are measured / estimated',
         "(above 1: the estimate is optimistic). Target: within a factor of 2. fp32, this 2-vCPU host shared with other sessions.",
         "",
     ]
@@ -180,7 +200,9 @@ def write(results: dict, seconds: float) -> None:
             )
         lines.append("")
     path = ROOT / "docs" / "COST_MODEL.md"
-    notes = path.read_text().split("<!-- notes -->", 1)[1] if path.exists() and "<!-- notes -->" in path.read_text() else ""
+    notes = (
+        path.read_text().split("<!-- notes -->", 1)[1] if path.exists() and "<!-- notes -->" in path.read_text() else ""
+    )
     path.write_text("\n".join(lines) + "<!-- notes -->" + notes)
     print("\n".join(lines))
 

@@ -38,7 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1, "float64": 8}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float64": 8,
+}
 _ALLOC = re.compile(r"(\w+) = empty_strided_cpu\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
 _ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\), '(.*)'\)")
 _REUSE = re.compile(r"(\w+) = (?:reinterpret_tensor\()?(\w+)\b.*; del (\w+)  # reuse")
@@ -62,7 +72,7 @@ def program_liveness(path: str) -> list[tuple[int, str]]:
     their ``assert_size_stride`` line.
     """
     source = Path(path).read_text()
-    body = source[source.index("    def call(self, args):"):]
+    body = source[source.index("    def call(self, args):") :]
     owned: dict[str, int] = {}
     live = 0
     for match in _ASSERT.finditer(body):
@@ -123,9 +133,14 @@ def observe(model, run, budget):
     try:
         torch._dynamo.reset()
         fxremat.clear_plans()
-        compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", release_outputs=True))
-        with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), \
-                warnings.catch_warnings(), planner.watch() as planned:
+        compiled = torch.compile(
+            model, backend=fxremat.backend(budget=budget, on_infeasible="min", release_outputs=True)
+        )
+        with (
+            inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False),
+            warnings.catch_warnings(),
+            planner.watch() as planned,
+        ):
             warnings.simplefilter("ignore")
             run(compiled).backward()
             measured = fxremat.measure(lambda: run(compiled).backward(), reps=1, warmup=1)
@@ -164,7 +179,9 @@ def main(argv=None) -> None:
         budget = int(args.budget)
     plan, measured, files, ours, theirs = observe(model, run, budget)
     mib = 2**20
-    print(f"{args.model} budget {args.budget}: predicted {plan.predicted_peak / mib:.1f} MiB, measured {measured / mib:.1f} MiB")
+    print(
+        f"{args.model} budget {args.budget}: predicted {plan.predicted_peak / mib:.1f} MiB, measured {measured / mib:.1f} MiB"
+    )
     programs = [program_liveness(f) for f in files]
     for name, trace in zip(("forward", "backward"), programs):
         live, line = max(trace, key=lambda t: t[0])

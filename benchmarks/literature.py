@@ -40,8 +40,17 @@ class LMLoss(torch.nn.Module):
 def build(layers: int, hidden: int, heads: int, vocab: int, tokens: int, batch: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=tokens,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu")
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=tokens,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu",
+    )
     cfg._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # build in bf16: fake weights cannot be converted after
@@ -118,7 +127,8 @@ def main() -> None:
         f"The logits, b*s*V*2 = {logits / 1e9:.3f} GB in bf16, leave the transformer graph as its output"
         f" ({save_all[1].output_bytes / 1e9:.3f} GB predicted) and",
         "feed the loss, which HF computes in a graph of its own (a graph break) after upcasting to fp32: it keeps "
-        + ", ".join(f"{p.saved_bytes / 1e9:.3f} GB" for p in save_all[5]) + " for its backward. No remat plan",
+        + ", ".join(f"{p.saved_bytes / 1e9:.3f} GB" for p in save_all[5])
+        + " for its backward. No remat plan",
         "removes these: only a fused or chunked cross-entropy would.",
         "",
         "Plans:",

@@ -37,14 +37,28 @@ def budgets(name: str) -> list[int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fastest = fxremat.explain(workload.model, *workload.inputs, release_outputs=True).predicted_peak
-        least = fxremat.explain(workload.model, *workload.inputs, budget=1, on_infeasible="min",
-                                release_outputs=True).predicted_peak
+        least = fxremat.explain(
+            workload.model, *workload.inputs, budget=1, on_infeasible="min", release_outputs=True
+        ).predicted_peak
     return [fastest - (fastest - least) * i // (POINTS - 1) for i in range(POINTS)]
 
 
 def measure(name: str, budget: int) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--row", name, "fxremat",
-                          "--budget", str(budget), "--reps", "1"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "compare.py"),
+            "--row",
+            name,
+            "fxremat",
+            "--budget",
+            str(budget),
+            "--reps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     for line in out.stdout.splitlines():
         if line.startswith("FXREMAT_BENCH_ROW "):
             return json.loads(line.split(" ", 1)[1])
@@ -62,18 +76,29 @@ def main() -> None:
             print(name, b, {k: r.get(k) for k in ("peak_bytes", "predicted_peak", "error")}, flush=True)
         peaks = [r.get("peak_bytes") for _, r in rows]
         ok = all(p is not None and p <= b for p, (b, _) in zip(peaks, rows)) and all(
-            a >= c for a, c in zip(peaks, peaks[1:]) if a is not None and c is not None)
-        body += [f"## {name}", "", "| budget MiB | predicted MiB | measured MiB | measured / budget |", "|---|---|---|---|"]
+            a >= c for a, c in zip(peaks, peaks[1:]) if a is not None and c is not None
+        )
+        body += [
+            f"## {name}",
+            "",
+            "| budget MiB | predicted MiB | measured MiB | measured / budget |",
+            "|---|---|---|---|",
+        ]
         for b, r in rows:
             if "error" in r:
                 body.append(f"| {b / mib:.1f} | | failed: {r['error'][:80]} | |")
             else:
-                body.append(f"| {b / mib:.1f} | {r['predicted_peak'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
-                            f"{r['peak_bytes'] / b:.2f} |")
+                body.append(
+                    f"| {b / mib:.1f} | {r['predicted_peak'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
+                    f"{r['peak_bytes'] / b:.2f} |"
+                )
         body += ["", f"Under every budget and non-increasing: **{'PASS' if ok else 'MISS'}**", ""]
-    lines += [f"Regenerate with `.venv/bin/python benchmarks/monotone.py` ({(time.time() - started) / 60:.0f} min on "
-              f"{platform.machine()}). Budgets: fxremat's fastest and least predicted peaks and three evenly "
-              "between; one fresh process per row.", ""] + body
+    lines += [
+        f"Regenerate with `.venv/bin/python benchmarks/monotone.py` ({(time.time() - started) / 60:.0f} min on "
+        f"{platform.machine()}). Budgets: fxremat's fastest and least predicted peaks and three evenly "
+        "between; one fresh process per row.",
+        "",
+    ] + body
     (ROOT / "docs" / "MONOTONE.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

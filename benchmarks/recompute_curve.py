@@ -51,8 +51,15 @@ def curve(name: str) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = fxremat.explain(workload.model, *workload.inputs, budget=budget, release_outputs=True)
-        rows.append({"budget": budget, "predicted": plan.predicted_peak, "fx_s": plan.recompute_seconds,
-                     "per_layer_s": per_layer.recompute_seconds, "solver": plan.solver})
+        rows.append(
+            {
+                "budget": budget,
+                "predicted": plan.predicted_peak,
+                "fx_s": plan.recompute_seconds,
+                "per_layer_s": per_layer.recompute_seconds,
+                "solver": plan.solver,
+            }
+        )
         print(name, rows[-1], flush=True)
     return rows
 
@@ -73,13 +80,24 @@ def main() -> None:
     ]
     for name, rows in results.items():
         ok = all(r["fx_s"] <= r["per_layer_s"] + 1e-12 for r in rows)
-        lines += [f"## {name}", "", "| budget MiB | fxremat predicted MiB | fxremat recompute ms (est.) | "
-                  "per-layer recompute ms (est.) | ratio | solver |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "| budget MiB | fxremat predicted MiB | fxremat recompute ms (est.) | "
+            "per-layer recompute ms (est.) | ratio | solver |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in rows:
             ratio = r["fx_s"] / r["per_layer_s"] if r["per_layer_s"] else float("nan")
-            lines.append(f"| {r['budget'] / mib:.1f} | {r['predicted'] / mib:.1f} | {r['fx_s'] * 1e3:.1f} | "
-                         f"{r['per_layer_s'] * 1e3:.1f} | {ratio:.2f} | {r['solver']} |")
-        lines += ["", f"fxremat's estimate at or below per-layer checkpointing's at every budget: **{'PASS' if ok else 'MISS'}**", ""]
+            lines.append(
+                f"| {r['budget'] / mib:.1f} | {r['predicted'] / mib:.1f} | {r['fx_s'] * 1e3:.1f} | "
+                f"{r['per_layer_s'] * 1e3:.1f} | {ratio:.2f} | {r['solver']} |"
+            )
+        lines += [
+            "",
+            f"fxremat's estimate at or below per-layer checkpointing's at every budget: **{'PASS' if ok else 'MISS'}**",
+            "",
+        ]
     (ROOT / "docs" / "RECOMPUTE_CURVE.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

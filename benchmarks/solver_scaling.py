@@ -39,8 +39,16 @@ class LMLoss(torch.nn.Module):
 def capture(layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=2048, n_positions=256,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=256,
+        n_head=4,
+        vocab_size=2048,
+        n_positions=256,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     with FakeTensorMode():
         model = LMLoss(GPT2LMHeadModel(cfg))

@@ -155,15 +155,23 @@ def _vision(auto: str, cfg):
 
 
 # The common tiny decoder-only size: 2 layers, hidden 64, 4 heads (2 KV heads where the family has GQA).
-LM = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "max_position_embeddings": 64}
+LM = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
 
 
 def gpt2():
     from transformers import GPT2Config
 
-    return _lm("GPT2LMHeadModel", GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                                 bos_token_id=0, eos_token_id=0))
+    return _lm(
+        "GPT2LMHeadModel",
+        GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0),
+    )
 
 
 def llama():
@@ -187,8 +195,17 @@ def qwen2():
 def qwen2_moe():
     from transformers import Qwen2MoeConfig
 
-    return _lm("Qwen2MoeForCausalLM", Qwen2MoeConfig(**LM, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                                     moe_intermediate_size=64, shared_expert_intermediate_size=64))
+    return _lm(
+        "Qwen2MoeForCausalLM",
+        Qwen2MoeConfig(
+            **LM,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        ),
+    )
 
 
 def qwen3():
@@ -224,8 +241,9 @@ def phi():
 def phi3():
     from transformers import Phi3Config
 
-    return _lm("Phi3ForCausalLM", Phi3Config(**LM, num_key_value_heads=2, pad_token_id=0,
-                                                 bos_token_id=1, eos_token_id=2))
+    return _lm(
+        "Phi3ForCausalLM", Phi3Config(**LM, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )
 
 
 def gpt_neox():
@@ -237,16 +255,24 @@ def gpt_neox():
 def opt():
     from transformers import OPTConfig
 
-    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                    word_embed_proj_dim=64, max_position_embeddings=64)
+    cfg = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=64,
+    )
     return _lm("OPTForCausalLM", cfg)
 
 
 def mixtral():
     from transformers import MixtralConfig
 
-    return _lm("MixtralForCausalLM", MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4,
-                                                   num_experts_per_tok=2))
+    return _lm(
+        "MixtralForCausalLM", MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    )
 
 
 def falcon():
@@ -265,8 +291,9 @@ def bloom():
 def gptj():
     from transformers import GPTJConfig
 
-    cfg = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return _lm("GPTJForCausalLM", cfg)
 
 
@@ -277,8 +304,14 @@ def stablelm():
 
 
 # Encoders: masked-LM head, labels = the input ids.
-ENC = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "intermediate_size": 128, "max_position_embeddings": 64}
+ENC = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "max_position_embeddings": 64,
+}
 
 
 def _mlm(auto: str, cfg, low: int = 0):
@@ -330,9 +363,21 @@ def _s2s(auto: str, cfg):
     return _hf(auto, cfg, {"input_ids": ids, "labels": ids}, "ForConditionalGeneration")
 
 
-S2S = {"vocab_size": VOCAB, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-       "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_position_embeddings": 64,
-       "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2}
+S2S = {
+    "vocab_size": VOCAB,
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_position_embeddings": 64,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 2,
+}
 
 
 def t5():
@@ -340,8 +385,16 @@ def t5():
 
     # 3 layers per stack: the smallest that showed issue 19 (fxremat before dabe439 gave
     # decoder.block.0.layer.2.DenseReluDense.wo.weight a relative error of 1.0); with 2 it did not.
-    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4,
-                   decoder_start_token_id=0, pad_token_id=0)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=3,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return _s2s("T5ForConditionalGeneration", cfg)
 
 
@@ -370,8 +423,14 @@ def marian():
 
 
 # Vision classifiers, 32 x 32 images, 10 classes.
-VIT = {"image_size": IMAGE, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "intermediate_size": 128}
+VIT = {
+    "image_size": IMAGE,
+    "patch_size": 8,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+}
 
 
 def vit():
@@ -493,8 +552,9 @@ def import_timm():
     import types
 
     if not (VENDOR / "timm").is_dir() or not (VENDOR / "torchvision").is_dir():
-        raise TimmUnavailable(f"timm not set up in {VENDOR.relative_to(ROOT)}: run `make zoo` "
-                              "or `benchmarks/zoo.py --setup-timm`")
+        raise TimmUnavailable(
+            f"timm not set up in {VENDOR.relative_to(ROOT)}: run `make zoo` or `benchmarks/zoo.py --setup-timm`"
+        )
     if str(VENDOR) not in sys.path:
         sys.path.insert(0, str(VENDOR))
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
@@ -522,8 +582,9 @@ def setup_timm() -> None:
     try:
         subprocess.run(pip + ["install", "--no-deps", "--target", str(VENDOR), f"timm=={TIMM_VERSION}"], check=True)
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(pip + ["download", "--no-deps", "-d", tmp, f"torchvision=={TORCHVISION_VERSION}"],
-                           check=True)
+            subprocess.run(
+                pip + ["download", "--no-deps", "-d", tmp, f"torchvision=={TORCHVISION_VERSION}"], check=True
+            )
             (wheel,) = Path(tmp).glob("torchvision-*.whl")
             with zipfile.ZipFile(wheel) as z:
                 names = [n for n in z.namelist() if n.startswith("torchvision/") and n.endswith(".py")]
@@ -580,8 +641,15 @@ def compare(ref_loss: float, ref: dict, loss: float, got: dict) -> dict:
     bad = {n: e for n, e in errors.items() if not e <= TOL}
     if not loss_err <= TOL:
         bad["loss"] = loss_err
-    return {"loss": loss, "loss_err": loss_err, "max_err": errors[worst] if worst else 0.0, "worst": worst,
-            "bad": bad, "compared": len(errors), "skipped": skipped}
+    return {
+        "loss": loss,
+        "loss_err": loss_err,
+        "max_err": errors[worst] if worst else 0.0,
+        "worst": worst,
+        "bad": bad,
+        "compared": len(errors),
+        "skipped": skipped,
+    }
 
 
 def _compiled(row: str, model):
@@ -630,8 +698,16 @@ def run_model(name: str, rows=ROWS, emit: Callable[[dict], None] = lambda r: Non
             done({"model": name, "row": row, "error": f"{stage}: {_one_line(e)}"})
         return results
     if "eager" in rows:
-        done({"model": name, "row": "eager", "params": params, "loss": ref_loss, "seconds": time.perf_counter() - t0,
-              **extra})
+        done(
+            {
+                "model": name,
+                "row": "eager",
+                "params": params,
+                "loss": ref_loss,
+                "seconds": time.perf_counter() - t0,
+                **extra,
+            }
+        )
     for row in rows:
         if row == "eager":
             continue
@@ -651,8 +727,12 @@ def run_model(name: str, rows=ROWS, emit: Callable[[dict], None] = lambda r: Non
             traceback.print_exc()  # the whole story goes to the model's log
             done({"model": name, "row": row, "error": _one_line(e), "seconds": time.perf_counter() - t0})
             continue
-        r = {"model": name, "row": row, "seconds": time.perf_counter() - t0,
-             **compare(ref_loss, ref, loss.item(), _grads(model))}
+        r = {
+            "model": name,
+            "row": row,
+            "seconds": time.perf_counter() - t0,
+            **compare(ref_loss, ref, loss.item(), _grads(model)),
+        }
         if row in FXREMAT_ROWS:
             r["graphs"] = len(fxremat.plans())
             if r["graphs"] == 0:
@@ -685,16 +765,24 @@ def zoo_env(kernel_cache: Path | None) -> dict:
     earlier row's (or run's) compiled graph. Inductor's C++ kernel cache (keyed by the kernel's source)
     goes to KERNEL_CACHE when given. One thread for the step and one for compiling kernels.
     """
-    env = dict(os.environ, TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+    )
     if kernel_cache is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(kernel_cache)
     return env
 
 
-def run_subprocess(name: str, timeout: float = TIMEOUT, log: Path | None = None,
-                   env: dict | None = None, rows: tuple[str, ...] = ROWS) -> list[dict]:
+def run_subprocess(
+    name: str, timeout: float = TIMEOUT, log: Path | None = None, env: dict | None = None, rows: tuple[str, ...] = ROWS
+) -> list[dict]:
     """Run model NAME's ROWS in a fresh interpreter; rows it never reported become errors.
 
     Its output (one ``ZOO-ROW {json}`` line per row, then any traceback) streams to LOG (a temporary
@@ -706,8 +794,9 @@ def run_subprocess(name: str, timeout: float = TIMEOUT, log: Path | None = None,
         path = log or Path(tmp) / f"{name}.log"
         with open(path, "w") as out:
             # its own session: on a timeout the whole group goes (Inductor's compile workers too)
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            )
             try:
                 rc = proc.wait(timeout=timeout)
                 failure = f"exit status {rc}" if rc else None
@@ -717,7 +806,7 @@ def run_subprocess(name: str, timeout: float = TIMEOUT, log: Path | None = None,
                 failure = f"timeout after {timeout:.0f} s (model killed)"
         text = path.read_text(errors="replace")
     lines = text.splitlines()
-    results = [json.loads(ln[len("ZOO-ROW "):]) for ln in lines if ln.startswith("ZOO-ROW ")]
+    results = [json.loads(ln[len("ZOO-ROW ") :]) for ln in lines if ln.startswith("ZOO-ROW ")]
     if failure:
         seen = {r["row"] for r in results}
         last = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("ZOO-ROW ")]
@@ -748,8 +837,12 @@ def classify(rows: list[dict]) -> dict[str, dict]:
             own = {n: e for n, e in bad.items() if row == "inductor" or ind_bad is None or n not in ind_bad}
             if own:
                 name = max(own, key=lambda n: own[n])
-                out[row] = {"status": "FAIL", "text": f"FAIL ({name}, {_err(own[name])}"
-                            + (f", +{len(own) - 1} more" if len(own) > 1 else "") + ")"}
+                out[row] = {
+                    "status": "FAIL",
+                    "text": f"FAIL ({name}, {_err(own[name])}"
+                    + (f", +{len(own) - 1} more" if len(own) > 1 else "")
+                    + ")",
+                }
             else:
                 name = max(bad, key=lambda n: bad[n])
                 out[row] = {"status": "differs", "text": f"compile differs from eager too ({name}, {_err(bad[name])})"}
@@ -767,8 +860,11 @@ def regressions(results: list[dict]) -> list[str]:
         status = classify([r for r in results if r["model"] == name])
         if status.get("inductor", {}).get("status") != "pass":
             continue
-        out += [f"{name}/{row}: {status[row]['text']}" for row in FXREMAT_ROWS
-                if status.get(row, {}).get("status") in ("FAIL", "error")]
+        out += [
+            f"{name}/{row}: {status[row]['text']}"
+            for row in FXREMAT_ROWS
+            if status.get(row, {}).get("status") in ("FAIL", "error")
+        ]
     return out
 
 
@@ -781,8 +877,11 @@ def sweep(names: list[str], jobs: int, timeout: float) -> tuple[list[dict], floa
     def one(name: str) -> list[dict]:
         rows = run_subprocess(name, timeout, workdir / f"{name}.log", env)
         status = classify(rows)
-        print(f"{name:22s} {rows[0]['wall']:6.0f} s  " + " | ".join(f"{row}: {status[row]['text']}"
-                                                                   for row in ROWS if row in status), flush=True)
+        print(
+            f"{name:22s} {rows[0]['wall']:6.0f} s  "
+            + " | ".join(f"{row}: {status[row]['text']}" for row in ROWS if row in status),
+            flush=True,
+        )
         return rows
 
     # Models of one family share most kernels (same sizes): interleave the list so that the two models
@@ -803,14 +902,18 @@ def render(results: list[dict], seconds: float, jobs: int, meta: dict) -> str:
     lines = [
         BEGIN,
         "",
-        (f"Run {meta['date']} by `benchmarks/zoo.py` in {seconds / 60:.1f} min ({seconds:.0f} s, cold kernel cache, "
-         f"{jobs} model(s) at a time, 1 thread each, {meta['cores']} cores, {meta['cpu']}, load from other work "
-         f"{meta.get('load', '?')} at the start): torch {meta['torch']}, transformers {meta['transformers']}, "
-         f"timm {meta['timm']}, fxremat at {meta.get('git', '?')}. Tolerance {TOL:g} (relative, loss and each "
-         f"gradient); gradients below {SKIP_REL:g} x the model's largest norm skipped."),
+        (
+            f"Run {meta['date']} by `benchmarks/zoo.py` in {seconds / 60:.1f} min ({seconds:.0f} s, cold kernel cache, "
+            f"{jobs} model(s) at a time, 1 thread each, {meta['cores']} cores, {meta['cpu']}, load from other work "
+            f"{meta.get('load', '?')} at the start): torch {meta['torch']}, transformers {meta['transformers']}, "
+            f"timm {meta['timm']}, fxremat at {meta.get('git', '?')}. Tolerance {TOL:g} (relative, loss and each "
+            f"gradient); gradients below {SKIP_REL:g} x the model's largest norm skipped."
+        ),
         "",
-        ("| model | family | params | eager | inductor | fxremat | fxremat least peak | grads compared (skipped) "
-         "| fxremat graphs | wall s |"),
+        (
+            "| model | family | params | eager | inductor | fxremat | fxremat least peak | grads compared (skipped) "
+            "| fxremat graphs | wall s |"
+        ),
         "|---|---|---:|---|---|---|---|---:|---:|---:|",
     ]
     counts: dict[str, int] = {}
@@ -825,11 +928,15 @@ def render(results: list[dict], seconds: float, jobs: int, meta: dict) -> str:
         graphs = "/".join(str(by[row]["graphs"]) for row in FXREMAT_ROWS if "graphs" in by.get(row, {}))
         counted = next((r for r in rows if "compared" in r), None)
         wall = next((r["wall"] for r in rows if "wall" in r), None)
-        cells = [f"`{name}`" + (" ¹" if by.get("eager", {}).get("loss_type_set") else ""), rows[0].get("family", ""),
-                 f"{params / 1e6:.2f} M" if params else "",
-                 *[status[row]["text"].replace("|", "\\|") if row in status else "" for row in ROWS],
-                 f"{counted['compared']} ({counted['skipped']})" if counted else "",
-                 graphs, f"{wall:.0f}" if wall is not None else ""]
+        cells = [
+            f"`{name}`" + (" ¹" if by.get("eager", {}).get("loss_type_set") else ""),
+            rows[0].get("family", ""),
+            f"{params / 1e6:.2f} M" if params else "",
+            *[status[row]["text"].replace("|", "\\|") if row in status else "" for row in ROWS],
+            f"{counted['compared']} ({counted['skipped']})" if counted else "",
+            graphs,
+            f"{wall:.0f}" if wall is not None else "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
 
     def c(row: str, s: str) -> int:
@@ -837,20 +944,30 @@ def render(results: list[dict], seconds: float, jobs: int, meta: dict) -> str:
 
     lines += [
         "",
-        (f"{len(names)} models. Plain `torch.compile`: {c('inductor', 'pass')} pass, {c('inductor', 'FAIL')} differ "
-         f"from eager, {c('inductor', 'error')} error. fxremat, no budget: {c('fxremat', 'pass')} pass, "
-         f"{c('fxremat', 'FAIL')} FAIL, {c('fxremat', 'differs')} where plain compile differs too, "
-         f"{c('fxremat', 'error')} error. fxremat at the least peak: {c('fxremat_min', 'pass')} pass, "
-         f"{c('fxremat_min', 'FAIL')} FAIL, {c('fxremat_min', 'differs')} where plain compile differs too, "
-         f"{c('fxremat_min', 'error')} error."),
+        (
+            f"{len(names)} models. Plain `torch.compile`: {c('inductor', 'pass')} pass, {c('inductor', 'FAIL')} differ "
+            f"from eager, {c('inductor', 'error')} error. fxremat, no budget: {c('fxremat', 'pass')} pass, "
+            f"{c('fxremat', 'FAIL')} FAIL, {c('fxremat', 'differs')} where plain compile differs too, "
+            f"{c('fxremat', 'error')} error. fxremat at the least peak: {c('fxremat_min', 'pass')} pass, "
+            f"{c('fxremat_min', 'FAIL')} FAIL, {c('fxremat_min', 'differs')} where plain compile differs too, "
+            f"{c('fxremat_min', 'error')} error."
+        ),
         "",
     ]
     reg = regressions(results)
-    lines += (["fxremat rows that fail or error where plain `torch.compile` passes:", ""]
-              + [f"- {r}" for r in reg] if reg else ["No fxremat row fails where plain `torch.compile` passes."])
+    lines += (
+        ["fxremat rows that fail or error where plain `torch.compile` passes:", ""] + [f"- {r}" for r in reg]
+        if reg
+        else ["No fxremat row fails where plain `torch.compile` passes."]
+    )
     if any(r.get("loss_type_set") for r in results):
-        lines += ["", ("¹ `model.loss_type` set by the zoo: HF leaves it unset for this class, and then breaks the "
-                       "graph at a `logger.warning_once` inside forward.")]
+        lines += [
+            "",
+            (
+                "¹ `model.loss_type` set by the zoo: HF leaves it unset for this class, and then breaks the "
+                "graph at a `logger.warning_once` inside forward."
+            ),
+        ]
     lines += ["", END]
     return "\n".join(lines)
 
@@ -869,16 +986,21 @@ def meta() -> dict:
     import transformers
 
     timm = sorted(VENDOR.glob("timm-*.dist-info"))
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
     head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "fxremat")
-    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "timm": timm[-1].name[len("timm-"):-len(".dist-info")] if timm else "not set up",
-            "git": (head or "?") + (" with uncommitted changes in fxremat/" if dirty else ""),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "load": f"{os.getloadavg()[0]:.1f}"}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "timm": timm[-1].name[len("timm-") : -len(".dist-info")] if timm else "not set up",
+        "git": (head or "?") + (" with uncommitted changes in fxremat/" if dirty else ""),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load": f"{os.getloadavg()[0]:.1f}",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -890,7 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds per model (default {TIMEOUT})")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/ZOO.md")
     parser.add_argument("--render", metavar="JSON", help="rewrite docs/ZOO.md from a saved --json run and exit")
-    parser.add_argument("--setup-timm", action="store_true", help=f"put timm and torchvision's Python files in {VENDOR}")
+    parser.add_argument(
+        "--setup-timm", action="store_true", help=f"put timm and torchvision's Python files in {VENDOR}"
+    )
     parser.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the subprocess
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -921,9 +1045,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_doc:
         write_doc(block)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": {**info, "seconds": seconds, "jobs": args.jobs, "tol": TOL,
-                                                        "skip_rel": SKIP_REL},
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "meta": {**info, "seconds": seconds, "jobs": args.jobs, "tol": TOL, "skip_rel": SKIP_REL},
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     reg = regressions(results)
     print(f"{seconds:.0f} s; logs in {workdir}")
     if reg:

@@ -54,8 +54,7 @@ GROUPS = (
     ),
     Group(
         "Planning and inspecting",
-        "Plan a step without training, read what was kept and recomputed, and explore the "
-        "memory/time trade-off.",
+        "Plan a step without training, read what was kept and recomputed, and explore the memory/time trade-off.",
         ("explain", "pareto", "ParetoPoint", "Plan", "plans", "clear_plans"),
         ("fxremat.plan:ValueRecord", "fxremat.plan:NodeRecord"),
     ),
@@ -231,7 +230,9 @@ def signature(obj: object, name: str, *, method: bool = False) -> str:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return name
-    params = [p.replace(annotation=_annotation(p.annotation), default=_default(p.default)) for p in sig.parameters.values()]
+    params = [
+        p.replace(annotation=_annotation(p.annotation), default=_default(p.default)) for p in sig.parameters.values()
+    ]
     if method and params and params[0].name in ("self", "cls"):
         params = params[1:]
     sig = sig.replace(parameters=params, return_annotation=_annotation(sig.return_annotation))
@@ -321,7 +322,10 @@ def render_object(qualname: str, obj: object) -> str:
             if isinstance(member, property):
                 parts.append(f"#### property `{short}`\n\n" + render_doc(member.__doc__))
             else:
-                parts.append(f"#### `{short}`\n\n```python\n{signature(member, short, method=True)}\n```\n\n" + render_doc(member.__doc__))
+                parts.append(
+                    f"#### `{short}`\n\n```python\n{signature(member, short, method=True)}\n```\n\n"
+                    + render_doc(member.__doc__)
+                )
     else:
         parts.append(f"### `{qualname}`")
         parts.append(f"```python\n{signature(obj, qualname)}\n```")
@@ -375,7 +379,8 @@ def render() -> str:
         f"Version `{fxremat.__version__}` (`fxremat.__version__`). Options, budgets and the plan "
         "format are explained in [CONCEPTS.md](CONCEPTS.md) and [PLAN_SCHEMA.md](PLAN_SCHEMA.md).",
         "\n".join(f"- [{g.title}](#{_anchor(g.title)}): " + ", ".join(f"`{n}`" for n in g.names) for g in GROUPS)
-        + "\n- [Solvers](#solvers): " + ", ".join(f"`{n}`" for n in SOLVERS),
+        + "\n- [Solvers](#solvers): "
+        + ", ".join(f"`{n}`" for n in SOLVERS),
     ]
     for g in GROUPS:
         out.append(f"## {g.title}")

@@ -70,9 +70,19 @@ def build(small: bool) -> tuple[LossOf, torch.Tensor]:
 
     torch.manual_seed(0)
     layers, hidden, tokens, batch, vocab = (2, 64, 64, 2, 1024) if small else (4, 256, 256, 2, 2048)
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=tokens,
-                     bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=tokens,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     lm = GPT2LMHeadModel(cfg)
     # GPT2LMHeadModel's class name does not tell transformers which loss it uses; left unset, the
@@ -165,22 +175,30 @@ def load_note() -> str:
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load < cpus / 2:
         return ""
-    return (f"note: load average {load:.1f} on {cpus} CPUs: other processes share them, so step times "
-            f"are noisy (compare them on an idle machine)\n")
+    return (
+        f"note: load average {load:.1f} on {cpus} CPUs: other processes share them, so step times "
+        f"are noisy (compare them on an idle machine)\n"
+    )
 
 
 def print_row(label: str, run: Run, tokens: int, extra: str = "") -> None:
     m = run.m
-    print(f"{label:<32} loss {run.loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  "
-          f"{tokens / m.step_seconds:7.0f} tokens/s  step {m.step_seconds * 1e3:7.1f} ms  "
-          f"first step {run.first_seconds:5.1f} s{extra}", flush=True)
+    print(
+        f"{label:<32} loss {run.loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  "
+        f"{tokens / m.step_seconds:7.0f} tokens/s  step {m.step_seconds * 1e3:7.1f} ms  "
+        f"first step {run.first_seconds:5.1f} s{extra}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default=None,
-                        help="bytes or a string with a unit, e.g. 40MiB (default: halfway between eager's "
-                             "measured peak and fxremat's least)")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="bytes or a string with a unit, e.g. 40MiB (default: halfway between eager's "
+        "measured peak and fxremat's least)",
+    )
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per strategy (after 3 others)")
     parser.add_argument("--out", default="plan_out/gpt2_budget", help="folder for fxremat's plan")
@@ -191,10 +209,13 @@ def main(argv=None) -> int:
     base, ids = build(args.small)
     tokens = ids.numel()
     cfg = base.lm.config
-    print(f"GPT-2: {cfg.n_layer} layers, hidden {cfg.n_embd}, vocabulary {cfg.vocab_size}, "
-          f"batch {ids.shape[0]} x {ids.shape[1]} tokens, {args.steps} timed steps per strategy.\n"
-          f"peak: of one training step, above weights, gradients and inputs; tokens/s and step: median "
-          f"of the timed steps\n{load_note()}", flush=True)
+    print(
+        f"GPT-2: {cfg.n_layer} layers, hidden {cfg.n_embd}, vocabulary {cfg.vocab_size}, "
+        f"batch {ids.shape[0]} x {ids.shape[1]} tokens, {args.steps} timed steps per strategy.\n"
+        f"peak: of one training step, above weights, gradients and inputs; tokens/s and step: median "
+        f"of the timed steps\n{load_note()}",
+        flush=True,
+    )
 
     eager_model = copy.deepcopy(base)
     eager = train(eager_model, eager_model, ids, args.steps)
@@ -212,9 +233,11 @@ def main(argv=None) -> int:
         budget, why = fxremat.parse_budget(args.budget), "--budget"
     else:
         budget, why = (eager.m.peak_bytes + least) // 2, "halfway between eager's measured peak and fxremat's least"
-    print(f"\nbudget {format_bytes(budget)}: {why} (fxremat's least reachable predicted peak "
-          f"{format_bytes(least)}, its fastest plan's {format_bytes(fastest)}; planned dry in {plan_seconds:.1f} s)\n",
-          flush=True)
+    print(
+        f"\nbudget {format_bytes(budget)}: {why} (fxremat's least reachable predicted peak "
+        f"{format_bytes(least)}, its fastest plan's {format_bytes(fastest)}; planned dry in {plan_seconds:.1f} s)\n",
+        flush=True,
+    )
 
     torch._dynamo.reset()
     fxremat.clear_plans()
@@ -248,12 +271,16 @@ def main(argv=None) -> int:
         print(f"  first-step loss and gradients, {label}: {verdict} (loss {run.loss:.6f}, eager {eager.loss:.6f})")
     fits = fx.m.peak_bytes <= budget
     failed |= not fits
-    print(f"  fxremat's measured peak {format_bytes(fx.m.peak_bytes)} ({fx.m.peak_bytes} B) is "
-          f"{'within' if fits else 'OVER'} the budget {format_bytes(budget)} ({budget} B)")
-    print(f"  fxremat: {fx.m.peak_bytes / eager.m.peak_bytes:.2f}x eager's peak at "
-          f"{eager.m.step_seconds / fx.m.step_seconds:.2f}x its tokens/s; "
-          f"{fx.m.peak_bytes / ckpt.m.peak_bytes:.2f}x checkpointing's peak at "
-          f"{ckpt.m.step_seconds / fx.m.step_seconds:.2f}x its tokens/s")
+    print(
+        f"  fxremat's measured peak {format_bytes(fx.m.peak_bytes)} ({fx.m.peak_bytes} B) is "
+        f"{'within' if fits else 'OVER'} the budget {format_bytes(budget)} ({budget} B)"
+    )
+    print(
+        f"  fxremat: {fx.m.peak_bytes / eager.m.peak_bytes:.2f}x eager's peak at "
+        f"{eager.m.step_seconds / fx.m.step_seconds:.2f}x its tokens/s; "
+        f"{fx.m.peak_bytes / ckpt.m.peak_bytes:.2f}x checkpointing's peak at "
+        f"{ckpt.m.step_seconds / fx.m.step_seconds:.2f}x its tokens/s"
+    )
     print(f"\n{'a check FAILED' if failed else 'all checks passed'}; total time {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -46,9 +46,18 @@ def build(small: bool):
 
     torch.manual_seed(0)
     layers, hidden, tokens, vocab = (1, 32, 32, 256) if small else (4, 256, 128, 2048)
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=tokens,
-                     bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=tokens,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     return GPT2LMHeadModel(cfg), TokenDataset(64, tokens, vocab)
 
@@ -72,8 +81,13 @@ def main(argv=None) -> None:
     fxremat.clear_plans()
     with tempfile.TemporaryDirectory() as tmp:
         training_args = TrainingArguments(
-            output_dir=tmp, max_steps=args.steps,
-            per_device_train_batch_size=2, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+            output_dir=tmp,
+            max_steps=args.steps,
+            per_device_train_batch_size=2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_steps=1,
         )
         trainer = Trainer(model=model, args=training_args, train_dataset=data)
         with warnings.catch_warnings():
@@ -87,7 +101,8 @@ def main(argv=None) -> None:
     for plan in plans:
         print("    " + plan.summary())
         assert plan.predicted_peak <= budget, (
-            f"{plan.graph}: predicted peak {format_bytes(plan.predicted_peak)} over budget {format_bytes(budget)}")
+            f"{plan.graph}: predicted peak {format_bytes(plan.predicted_peak)} over budget {format_bytes(budget)}"
+        )
     print(f"every plan's predicted peak fits the budget {format_bytes(budget)}")
 
 

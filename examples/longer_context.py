@@ -41,9 +41,18 @@ def build(small: bool, max_len: int) -> LossOf:
 
     torch.manual_seed(0)
     layers, hidden, vocab = (2, 32, 256) if small else (4, 256, 2048)
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=max_len,
-                     bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=max_len,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     lm = GPT2LMHeadModel(cfg)
     # GPT2LMHeadModel sets no loss_type; transformers then warns inside forward, which breaks

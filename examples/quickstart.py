@@ -26,8 +26,16 @@ def build(small: bool):
 
     torch.manual_seed(0)
     layers, hidden, tokens, batch = (2, 64, 64, 2) if small else (4, 256, 256, 4)
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=2048, n_positions=tokens,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=2048,
+        n_positions=tokens,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # without it transformers warns inside forward: a graph break
@@ -80,7 +88,9 @@ def main(argv=None) -> None:
         compiled = torch.compile(model, backend=fxremat.backend(budget=budget, inner=args.inner))
         loss, m = train(compiled, ids, args.steps)
         label = f"fxremat budget {format_bytes(budget)}"
-        print(f"{label:<28} loss {loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  step {m.step_seconds * 1e3:8.1f} ms")
+        print(
+            f"{label:<28} loss {loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  step {m.step_seconds * 1e3:8.1f} ms"
+        )
         for plan in fxremat.plans():
             print("    " + plan.summary())
     largest = max(fxremat.plans(), key=lambda p: p.predicted_peak)

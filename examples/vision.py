@@ -57,9 +57,18 @@ def build(small: bool) -> tuple[LossOf, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     layers, hidden, size, patch, batch = (2, 64, 32, 8, 4) if small else (4, 256, 64, 8, 8)
     classes = 10
-    cfg = ViTConfig(image_size=size, patch_size=patch, num_channels=3, hidden_size=hidden,
-                    num_hidden_layers=layers, num_attention_heads=4, intermediate_size=4 * hidden,
-                    num_labels=classes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = ViTConfig(
+        image_size=size,
+        patch_size=patch,
+        num_channels=3,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        num_labels=classes,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     model = ViTForImageClassification(cfg)
     model.train()
@@ -99,8 +108,11 @@ def gradient_mismatches(grads: dict, ref: dict) -> list[str]:
     """Parameters whose gradient differs from the reference's (an empty list when all match)."""
     if grads.keys() != ref.keys():
         return [f"gradients of {sorted(grads.keys() ^ ref.keys())} exist in only one run"]
-    return [f"{name} (max abs difference {(grads[name] - ref[name]).abs().max().item():.2e})"
-            for name in sorted(ref) if not torch.allclose(grads[name], ref[name], rtol=GRAD_RTOL, atol=GRAD_ATOL)]
+    return [
+        f"{name} (max abs difference {(grads[name] - ref[name]).abs().max().item():.2e})"
+        for name in sorted(ref)
+        if not torch.allclose(grads[name], ref[name], rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    ]
 
 
 def load_note() -> str:
@@ -110,15 +122,20 @@ def load_note() -> str:
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load < cpus / 2:
         return ""
-    return (f"note: load average {load:.1f} on {cpus} CPUs: other processes share them, so step times "
-            f"are noisy (compare them on an idle machine)\n")
+    return (
+        f"note: load average {load:.1f} on {cpus} CPUs: other processes share them, so step times "
+        f"are noisy (compare them on an idle machine)\n"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default=None,
-                        help="bytes or a string with a unit, e.g. 24MiB (default: halfway between eager's "
-                             "measured peak and fxremat's least)")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="bytes or a string with a unit, e.g. 24MiB (default: halfway between eager's "
+        "measured peak and fxremat's least)",
+    )
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 3 others)")
     parser.add_argument("--small", action="store_true", help="a tiny model, for smoke tests")
@@ -129,16 +146,22 @@ def main(argv=None) -> int:
     batch = (images, labels)
     cfg = base.model.config
     patches = (cfg.image_size // cfg.patch_size) ** 2
-    print(f"ViT: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.image_size}x{cfg.image_size} "
-          f"images in {patches} patches of {cfg.patch_size}x{cfg.patch_size}, batch {len(images)}, "
-          f"{cfg.num_labels} classes, {args.steps} timed steps per run.\n"
-          f"peak: of one training step, above weights, gradients and inputs; step: median of the timed steps\n"
-          f"{load_note()}", flush=True)
+    print(
+        f"ViT: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.image_size}x{cfg.image_size} "
+        f"images in {patches} patches of {cfg.patch_size}x{cfg.patch_size}, batch {len(images)}, "
+        f"{cfg.num_labels} classes, {args.steps} timed steps per run.\n"
+        f"peak: of one training step, above weights, gradients and inputs; step: median of the timed steps\n"
+        f"{load_note()}",
+        flush=True,
+    )
 
     def show(label: str, loss: float, first_seconds: float, m, extra: str = "") -> None:
-        print(f"{label:<20} loss {loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  "
-              f"step {m.step_seconds * 1e3:7.1f} ms ({len(images) / m.step_seconds:6.1f} images/s)  "
-              f"first step {first_seconds:5.1f} s{extra}", flush=True)
+        print(
+            f"{label:<20} loss {loss:.4f}  peak {format_bytes(m.peak_bytes):>10}  "
+            f"step {m.step_seconds * 1e3:7.1f} ms ({len(images) / m.step_seconds:6.1f} images/s)  "
+            f"first step {first_seconds:5.1f} s{extra}",
+            flush=True,
+        )
 
     eager_model = copy.deepcopy(base)
     ref_loss, ref_grads, first, m_eager = train(eager_model, eager_model, batch, args.steps)
@@ -151,8 +174,10 @@ def main(argv=None) -> int:
         budget, why = fxremat.parse_budget(args.budget), "--budget"
     else:
         budget, why = (m_eager.peak_bytes + least) // 2, "halfway between eager's measured peak and fxremat's least"
-    print(f"\nbudget {format_bytes(budget)}: {why} (fxremat's least reachable predicted peak {format_bytes(least)})\n",
-          flush=True)
+    print(
+        f"\nbudget {format_bytes(budget)}: {why} (fxremat's least reachable predicted peak {format_bytes(least)})\n",
+        flush=True,
+    )
 
     torch._dynamo.reset()
     fxremat.clear_plans()
@@ -164,8 +189,13 @@ def main(argv=None) -> int:
         print(f"no plan fits: {err}")
         return 1
     plans = fxremat.plans()
-    show(f"fxremat ({args.inner})", loss, first, m_fx,
-         f"  (predicted peak {format_bytes(max(p.predicted_peak for p in plans))})")
+    show(
+        f"fxremat ({args.inner})",
+        loss,
+        first,
+        m_fx,
+        f"  (predicted peak {format_bytes(max(p.predicted_peak for p in plans))})",
+    )
     for plan in plans:
         print("    " + plan.summary())
 
@@ -176,10 +206,14 @@ def main(argv=None) -> int:
     verdict = "MISMATCH: " + "; ".join(bad[:5]) if bad else "match eager's"
     print(f"  first-step gradients: {verdict}")
     fits = m_fx.peak_bytes <= budget
-    print(f"  fxremat's measured peak {format_bytes(m_fx.peak_bytes)} ({m_fx.peak_bytes} B) is "
-          f"{'within' if fits else 'OVER'} the budget {format_bytes(budget)} ({budget} B)")
-    print(f"  fxremat: {m_fx.peak_bytes / m_eager.peak_bytes:.2f}x eager's peak, "
-          f"{m_fx.step_seconds / m_eager.step_seconds:.2f}x its step time")
+    print(
+        f"  fxremat's measured peak {format_bytes(m_fx.peak_bytes)} ({m_fx.peak_bytes} B) is "
+        f"{'within' if fits else 'OVER'} the budget {format_bytes(budget)} ({budget} B)"
+    )
+    print(
+        f"  fxremat: {m_fx.peak_bytes / m_eager.peak_bytes:.2f}x eager's peak, "
+        f"{m_fx.step_seconds / m_eager.step_seconds:.2f}x its step time"
+    )
     failed = not (loss_ok and fits) or bool(bad)
     print(f"\n{'a check FAILED' if failed else 'all checks passed'}; total time {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0

@@ -46,38 +46,54 @@ SUPPORTED_TORCH = ((2, 13), (2, 15))
 
 # AOTAutograd: traces the joint forward+backward graph and calls our partitioner.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+
 # The hook through which Inductor calls a custom partitioner (uuid keys its cache).
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
+
 # Inductor's config: tests patch its post-fusion hook to compare buffers with the plan.
 from torch._inductor import config as inductor_config  # noqa: E402
+
 # functorch's config: `activation_memory_budget` for the reference benchmarks, `cse`.
 from torch._functorch import config as functorch_config  # noqa: E402
+
 # Inductor's compile entry point (forward/backward compilers, joint passes, decompositions).
 from torch._inductor import compile_fx  # noqa: E402
+
 # PyTorch's own partitioner: joint-graph classification, fw/bw extraction, RNG
 # functionalization and tag handling we reuse instead of re-deriving edge cases.
 from torch._functorch import partitioners as _partitioners  # noqa: E402
+
 # Symbolic-int nodes in fx graphs (sizes under dynamic shapes) are saved, not decided.
 from torch.fx.experimental.proxy_tensor import is_sym_node  # noqa: E402
+
 # CSE as the stock partitioner runs it; getitems moved next to their producer.
 from torch._functorch.compile_utils import fx_graph_cse as _fx_graph_cse, raise_getitems as _raise_getitems  # noqa: E402
+
 # CPU memory measurement: the profiler's allocation events.
 from torch._C._profiler import _EventType as EventType  # noqa: E402
+
 # Dynamo re-raises this exception class unwrapped, so fxremat.BudgetError reaches users as itself.
 from torch._dynamo.exc import ShortenTraceback  # noqa: E402
+
 # Planning runs inside AOTAutograd's fake mode; measuring op scratch needs real tensors.
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+
 # Fake tensors for planning without allocating (explain on meta / large models).
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
 # Which aten ops Inductor lowers into generated kernels, and which run as extern or
 # fallback kernels that need their inputs materialized (the fusion model of passes/fusion.py).
 from torch._inductor import lowering as inductor_lowering  # noqa: E402
+
 # Tests record the in-place reuses Inductor's scheduler decides (KernelArgs.make_inplace).
 from torch._inductor.codegen.common import KernelArgs as inductor_kernel_args  # noqa: E402
+
 # Tests read which buffers Inductor's scheduler fused away (GraphLowering.removed_buffers).
 from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # noqa: E402
+
 # Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput).
 from torch.utils._pytree import tree_leaves  # noqa: E402
+
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
 
@@ -126,7 +142,9 @@ def classify_nodes(joint: torch.fx.GraphModule, static_lifetime_input_indices: l
 def default_partition(joint, joint_inputs, num_fwd_outputs: int, static_lifetime_input_indices: list[int], info):
     """PyTorch's default partition, for graphs with nothing to plan (no backward)."""
     return _partitioners.default_partition(
-        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+        joint,
+        joint_inputs,
+        num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
         static_lifetime_input_nodes=info.static_lifetime_input_nodes,
     )
@@ -136,8 +154,9 @@ def default_partition(joint, joint_inputs, num_fwd_outputs: int, static_lifetime
 min_cut_partition = _partitioners.min_cut_rematerialization_partition
 
 
-def extract_programs(joint, saved: list, saved_sym: list, *, num_fwd_outputs: int, static_lifetime_input_nodes,
-                     recomputes_rng: bool) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+def extract_programs(
+    joint, saved: list, saved_sym: list, *, num_fwd_outputs: int, static_lifetime_input_nodes, recomputes_rng: bool
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Split ``joint`` into the forward and backward programs that save ``saved`` + ``saved_sym``.
 
     PyTorch's own extraction handles symbolic sizes, RNG seeds, opaque objects
@@ -146,7 +165,10 @@ def extract_programs(joint, saved: list, saved_sym: list, *, num_fwd_outputs: in
     next to their producers, and graph-safe RNG threaded through both.
     """
     fw, bw = _partitioners._extract_fwd_bwd_modules(
-        joint, saved, saved_sym_nodes=saved_sym, num_fwd_outputs=num_fwd_outputs,
+        joint,
+        saved,
+        saved_sym_nodes=saved_sym,
+        num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=static_lifetime_input_nodes,
     )
     if recomputes_rng:

@@ -157,7 +157,9 @@ def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):
     """The same graph through the same inner compiler with PyTorch's own (min-cut) partition."""
     if options.inner == "eager":
         return aot_autograd(
-            fw_compiler=eager_compiler, bw_compiler=eager_compiler, partition_fn=min_cut_partition,
+            fw_compiler=eager_compiler,
+            bw_compiler=eager_compiler,
+            partition_fn=min_cut_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     return compile_fx.compile_fx(gm, example_inputs)

@@ -21,11 +21,24 @@ ENV_BUDGET = "FXREMAT_BUDGET"
 
 # SI units are powers of 1000, IEC units powers of 1024 (IEC 80000-13).
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _FORMS = 'a positive int of bytes, or a string with a unit such as "512MiB", "1.5GB", "2GiB" or "800kB" (SI: kB MB GB TB; IEC: KiB MiB GiB TiB), or None for no limit'
@@ -58,7 +71,7 @@ class BudgetError(ValueError, ShortenTraceback):
             f"budget {budget} bytes ({format_bytes(budget)}) is below the least reachable peak{place}: "
             f"{least_peak} bytes ({format_bytes(least_peak)}). Raise the budget to at least "
             f"{format_bytes(least_peak)}, shrink the batch or sequence, or pass on_infeasible='min' "
-            f"to use the least-memory plan with a warning."
+            f"to use the least-memory plan with a warning.",
         )
 
 
@@ -118,7 +131,9 @@ def parse_budget(value: object, *, name: str = "budget") -> int | None:
             raise ValueError(f"{name}={value!r} must be positive; expected {_FORMS}")
         return value
     if isinstance(value, float):
-        hint = " A float in (0, 1] looks like a fraction of memory; fxremat budgets are bytes." if 0 < value <= 1 else ""
+        hint = (
+            " A float in (0, 1] looks like a fraction of memory; fxremat budgets are bytes." if 0 < value <= 1 else ""
+        )
         raise TypeError(f"{name}={value!r} is a float; expected {_FORMS}.{hint}")
     if not isinstance(value, str):
         raise TypeError(f"{name}={value!r} has type {type(value).__name__}; expected {_FORMS}")

@@ -93,8 +93,10 @@ def load_factory(target: str):
         module = importlib.import_module(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise _UsageError(f"{module_name!r} has no callable {attr!r}; expected MODULE:FACTORY where FACTORY() "
-                          f"returns (model, example_args)")
+        raise _UsageError(
+            f"{module_name!r} has no callable {attr!r}; expected MODULE:FACTORY where FACTORY() "
+            f"returns (model, example_args)"
+        )
     return factory
 
 
@@ -121,11 +123,21 @@ def _options(args) -> dict:
     import fxremat
 
     try:
-        budget = fxremat.parse_budget(args.budget, name="--budget") if getattr(args, "budget", None) is not None else None
+        budget = (
+            fxremat.parse_budget(args.budget, name="--budget") if getattr(args, "budget", None) is not None else None
+        )
     except (TypeError, ValueError) as exc:
         raise _UsageError(str(exc)) from exc
-    options = {k: v for k, v in (("solver", args.solver), ("inner", args.inner), ("hardware", args.hardware),
-                                 ("time_limit", args.time_limit)) if v is not None}
+    options = {
+        k: v
+        for k, v in (
+            ("solver", args.solver),
+            ("inner", args.inner),
+            ("hardware", args.hardware),
+            ("time_limit", args.time_limit),
+        )
+        if v is not None
+    }
     try:
         fxremat.Options.from_mapping({**options, "budget": budget})
     except (TypeError, ValueError) as exc:
@@ -194,8 +206,11 @@ def _pareto(args) -> int:
 
 
 def _common(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("target", metavar="MODULE:FACTORY",
-                     help="FACTORY() returns (model, example_args); MODULE is a dotted name or a .py file")
+    sub.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="FACTORY() returns (model, example_args); MODULE is a dotted name or a .py file",
+    )
     sub.add_argument("--solver", help="auto (default), ilp, mincut, save_all, per_layer, sqrt_n, save_inputs")
     sub.add_argument("--inner", help="compiler of the planned programs: inductor (default) or eager")
     sub.add_argument("--hardware", help="cost-model profile: cpu (default), a100, h100, h200")
@@ -214,19 +229,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fxremat {fxremat.__version__}")
     subs = parser.add_subparsers(dest="command", required=True, metavar="{explain,pareto}")
     explain = subs.add_parser(
-        "explain", help="plan a model under a budget and print what is kept and recomputed",
+        "explain",
+        help="plan a model under a budget and print what is kept and recomputed",
         description="Plan a model's training step under a memory budget without running it.",
-        epilog=_EXPLAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EXPLAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(explain)
-    explain.add_argument("--budget", metavar="BYTES",
-                         help='peak of the step: bytes or "512MiB", "1.5GB", "2GiB", "800kB"; omit for the fastest plan')
+    explain.add_argument(
+        "--budget",
+        metavar="BYTES",
+        help='peak of the step: bytes or "512MiB", "1.5GB", "2GiB", "800kB"; omit for the fastest plan',
+    )
     explain.add_argument("--full", action="store_true", help="draw every node in graph.dot even in a large graph")
     explain.set_defaults(run=_explain)
     pareto = subs.add_parser(
-        "pareto", help="the memory/recompute-time front across budgets",
+        "pareto",
+        help="the memory/recompute-time front across budgets",
         description="Solve a model's largest graph at several budgets and print the memory/time front.",
-        epilog=_PARETO_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_PARETO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(pareto)
     pareto.add_argument("--points", type=int, default=8, metavar="N", help="budgets to try (default 8)")

@@ -211,7 +211,9 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
     base = _largest(_plan(model_or_fn, args, opts))
     problem = base.problem
     if problem is None:
-        raise RuntimeError(f"{base.graph}: the plan carries no RematProblem to re-solve; this is a bug in fxremat, please report it")
+        raise RuntimeError(
+            f"{base.graph}: the plan carries no RematProblem to re-solve; this is a bug in fxremat, please report it"
+        )
     solver = opts.solver
     solve_options = SolveOptions(time_limit=opts.time_limit)
     fastest = solve(problem, None, solver, solve_options)
@@ -228,4 +230,3 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
         if not front or p.recompute_seconds < front[-1].recompute_seconds:
             front.append(p)
     return sorted(front, key=lambda p: -p.predicted_peak)
-

@@ -244,8 +244,12 @@ def measure_cpu() -> dict[str, float]:
     log.info(
         "cpu profile in %.2f s: %.1f GFLOP/s (attention %.1f), %.1f GB/s, %.1f us/op, %.1f us/view, "
         "%.2f GB/s fresh pages",
-        time.perf_counter() - t0, data["peak_flops"] / 1e9, data["attention_flops"] / 1e9, data["bandwidth"] / 1e9,
-        data["launch_seconds"] * 1e6, data["view_seconds"] * 1e6, data["fresh_bandwidth"] / 1e9,
+        time.perf_counter() - t0,
+        data["peak_flops"] / 1e9,
+        data["attention_flops"] / 1e9,
+        data["bandwidth"] / 1e9,
+        data["launch_seconds"] * 1e6,
+        data["view_seconds"] * 1e6,
+        data["fresh_bandwidth"] / 1e9,
     )
     return data
-

@@ -197,9 +197,10 @@ def _measure_memory(
     Returns:
         (peak bytes, timeline, measured device).
     """
-    with quiet_stderr(), torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
+    with (
+        quiet_stderr(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         for _ in range(warmup):
             step()
         # Chosen after the warm-up, which may be what initialises CUDA.
@@ -234,7 +235,9 @@ def _measure_memory(
         peak = int(cuda_peak)
         logger.debug(
             "measure: %s peak %d B from allocator stats, %d B from profiler replay",
-            measured, peak, replay_peak,
+            measured,
+            peak,
+            replay_peak,
         )
     else:
         peak = replay_peak
@@ -283,9 +286,7 @@ def _walk(roots: Sequence) -> Iterator:
         stack.extend(reversed(event.children))
 
 
-def _replay(
-    deltas: Sequence[tuple[int, int]], start_ns: int, end_ns: int
-) -> list[tuple[float, int]]:
+def _replay(deltas: Sequence[tuple[int, int]], start_ns: int, end_ns: int) -> list[tuple[float, int]]:
     """Running sum of ``(time ns, +/- bytes)`` as ``(seconds since start, live)``."""
     live = 0
     points = [(0.0, 0)]
@@ -337,10 +338,7 @@ def _parse_device(device: Union[str, torch.device, None]) -> Optional[torch.devi
             )
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         return torch.device("cuda", index)
-    raise ValueError(
-        f"measure: device={str(device)!r} is not supported; pass 'cpu', 'cuda', "
-        "'cuda:N' or None."
-    )
+    raise ValueError(f"measure: device={str(device)!r} is not supported; pass 'cpu', 'cuda', 'cuda:N' or None.")
 
 
 def _cuda_candidate(requested: Optional[torch.device]) -> Optional[torch.device]:

@@ -121,6 +121,7 @@ def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
 def _as(type_name):
     """A validator for a plain field: bools must be bools."""
     if type_name == "bool":
+
         def check_bool(name: str, value):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be True or False")

@@ -177,7 +177,9 @@ class Plan:
         header = f"{'module':<40} {'kept':>12} {'recomputed':>12} {'recompute GFLOP':>16} {'est. ms':>9}"
         lines += ["", header, "-" * len(header)]
         for module, kept, rec, flops, secs in self.by_module():
-            lines.append(f"{module[-40:]:<40} {format_bytes(kept):>12} {format_bytes(rec):>12} {flops / 1e9:>16.4f} {secs * 1e3:>9.3f}")
+            lines.append(
+                f"{module[-40:]:<40} {format_bytes(kept):>12} {format_bytes(rec):>12} {flops / 1e9:>16.4f} {secs * 1e3:>9.3f}"
+            )
         lines += [
             "",
             "memory anatomy of the step (above what exists before it):",
@@ -194,7 +196,6 @@ class Plan:
             " exist whatever the plan; remat only trades saved activations for recompute time.",
         ]
         return "\n".join(lines)
-
 
     def to_json(self) -> dict:
         """The plan as plain JSON data (schema ``fxremat.plan/1``, see docs/PLAN_SCHEMA.md).

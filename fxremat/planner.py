@@ -33,13 +33,21 @@ from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize_sizes
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
-from .plan import Plan
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve
 from .solvers.types import Decision, SolveOptions
 
-__all__ = ["partition", "watch", "Analysis", "Lowered", "Choice", "TIGHTEN_ROUNDS", "INDUCTOR_ALLOWANCE", "USER_OUTPUTS"]
+__all__ = [
+    "partition",
+    "watch",
+    "Analysis",
+    "Lowered",
+    "Choice",
+    "TIGHTEN_ROUNDS",
+    "INDUCTOR_ALLOWANCE",
+    "USER_OUTPUTS",
+]
 
 # The abstract schedule and the real programs agree up to details the problem does not
 # model (getitem placement, views of graph inputs); a few rounds of tightening the
@@ -120,8 +128,15 @@ def watch():
         del _WATCHERS[next(i for i, w in enumerate(_WATCHERS) if w is seen)]
 
 
-def partition(joint: fx.GraphModule, joint_inputs, *, options: Options, num_fwd_outputs: int,
-              static_lifetime_input_indices: list[int] | None = None, **_ignored) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition(
+    joint: fx.GraphModule,
+    joint_inputs,
+    *,
+    options: Options,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    **_ignored,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition AOTAutograd's joint graph under ``options.budget`` (the ``partition_fn`` of AOTAutograd).
 
     Args:
@@ -172,23 +187,41 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     forward = set(info.required_fw_nodes)
     fused = fused_nodes(joint.graph, costs, forward) if fusion else set()
     pairs = inplace_pairs(joint.graph, costs, fused, forward) if fusion else []
-    graph = build_problem(joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs is True, pairs)
+    graph = build_problem(
+        joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs is True, pairs
+    )
     seconds["problem"] = time.perf_counter() - t
     return Analysis(
-        joint, graph, costs, {n.name: b for n, b in scratch.items() if b}, fusion, num_fwd_outputs,
-        info.static_lifetime_input_nodes, recomputes_rng, seconds,
+        joint,
+        graph,
+        costs,
+        {n.name: b for n, b in scratch.items() if b},
+        fusion,
+        num_fwd_outputs,
+        info.static_lifetime_input_nodes,
+        recomputes_rng,
+        seconds,
     )
 
 
 def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
     """The programs that will run for ``decision``, checked, and their simulated memory."""
     fw, bw = apply_decision(
-        analysis.joint, saved_nodes(analysis.graph, decision), num_fwd_outputs=analysis.num_fwd_outputs,
-        static_lifetime_input_nodes=analysis.static_lifetime_input_nodes, recomputes_rng=analysis.recomputes_rng,
+        analysis.joint,
+        saved_nodes(analysis.graph, decision),
+        num_fwd_outputs=analysis.num_fwd_outputs,
+        static_lifetime_input_nodes=analysis.static_lifetime_input_nodes,
+        recomputes_rng=analysis.recomputes_rng,
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
-    sim = simulate(fw, bw, analysis.num_fwd_outputs, analysis.scratch, fusion=analysis.fusion,
-                   outputs_released=options.release_outputs is True)
+    sim = simulate(
+        fw,
+        bw,
+        analysis.num_fwd_outputs,
+        analysis.scratch,
+        fusion=analysis.fusion,
+        outputs_released=options.release_outputs is True,
+    )
     peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if analysis.fusion else sim.peak
     return Lowered(decision, fw, bw, sim, peak)
 
@@ -222,8 +255,10 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     if not fits:
         if options.on_infeasible == "error":
             raise BudgetError(budget, lowered.peak, where=name)
-        why = (f"budget {format_bytes(budget)} is below the least reachable peak {format_bytes(lowered.peak)}; "
-               "using the least-memory plan (on_infeasible='min')")
+        why = (
+            f"budget {format_bytes(budget)} is below the least reachable peak {format_bytes(lowered.peak)}; "
+            "using the least-memory plan (on_infeasible='min')"
+        )
         warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
         note = f"{why}; {note}" if note else why
     return Choice(lowered, fastest, fits, note, time.perf_counter() - started)

@@ -75,12 +75,20 @@ def record(plan: Plan, options: Options) -> None:
         _PLANS.append(plan)
     log.info(
         "%s: %d nodes, budget %s, predicted peak %s, kept %s, recomputed %d values (%.2f ms est.), solver %s in %.0f ms",
-        plan.graph, plan.num_nodes, "none" if options.budget is None else format_bytes(options.budget),
-        format_bytes(plan.predicted_peak), format_bytes(plan.saved_bytes), len(plan.recomputed),
-        plan.recompute_seconds * 1e3, plan.solver, plan.solve_seconds * 1e3,
+        plan.graph,
+        plan.num_nodes,
+        "none" if options.budget is None else format_bytes(options.budget),
+        format_bytes(plan.predicted_peak),
+        format_bytes(plan.saved_bytes),
+        len(plan.recomputed),
+        plan.recompute_seconds * 1e3,
+        plan.solver,
+        plan.solve_seconds * 1e3,
     )
     if options.dump_dir:
         try:
             plan.save(Path(options.dump_dir) / plan.graph.replace(" ", "_"))
         except OSError as exc:  # the plan is good and will run; only its files are missing
-            warnings.warn(f"fxremat could not save {plan.graph}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=3)
+            warnings.warn(
+                f"fxremat could not save {plan.graph}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=3
+            )

@@ -52,7 +52,9 @@ def build_plan(name: str, analysis: Analysis, choice: Choice, options: Options, 
         backward_code=lowered.backward.code,
         nodes=_node_records(pg, costs, decision),
         references=_references(pg.problem),
-        input_bytes=sum(costs[n].nbytes for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n)),
+        input_bytes=sum(
+            costs[n].nbytes for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n)
+        ),
         largest=_largest(pg, costs),
         problem=pg.problem,
     )
@@ -85,9 +87,21 @@ def _node_records(pg: ProblemGraph, costs: dict[fx.Node, NodeCost], decision: De
     problem = pg.problem
     out = []
     for i, node in enumerate(pg.nodes):
-        role = "kept" if i in kept else "recomputed" if i in recomputed else "forward" if problem.is_forward(i) else "backward"
+        role = (
+            "kept"
+            if i in kept
+            else "recomputed"
+            if i in recomputed
+            else "forward"
+            if problem.is_forward(i)
+            else "backward"
+        )
         c = costs[node]
-        out.append(NodeRecord(node.name, c.op, c.module, role, problem.nbytes[i], tuple(problem.names[u] for u in problem.inputs[i])))
+        out.append(
+            NodeRecord(
+                node.name, c.op, c.module, role, problem.nbytes[i], tuple(problem.names[u] for u in problem.inputs[i])
+            )
+        )
     return tuple(out)
 
 

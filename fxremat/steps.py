@@ -85,8 +85,11 @@ def held() -> list[_Call]:
 
 def _leaves(args) -> dict[int, int]:
     """Storage -> bytes of the leaf tensors among ``args`` that require grad (parameters)."""
-    return {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in args
-            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.layout == torch.strided}
+    return {
+        a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
+        for a in args
+        if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.layout == torch.strided
+    }
 
 
 class _Graph:
@@ -128,8 +131,9 @@ class _Graph:
             except BudgetError as exc:
                 # The step as a whole does not fit: keep training at this graph's least plan, loudly.
                 options = dataclasses.replace(options, on_infeasible="min")
-                warnings.warn(f"fxremat: the graphs of this step together need more than the budget: {exc}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"fxremat: the graphs of this step together need more than the budget: {exc}", stacklevel=2
+                )
                 self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
             self.options = options
         assert self.compiled is not None
@@ -181,7 +185,13 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
                 raise BudgetError(budget, need, where=f"a graph run while {', '.join(holders)} hold memory") from None
             planned = dataclasses.replace(planned, on_infeasible="min")
             graph.compiled, graph.plan = compile_graph(copy.deepcopy(graph.source), example_inputs, planned)
-            _reserve(holders, key, need, budget, f"it holds memory while a later graph of the step needs {format_bytes(need)}")
+            _reserve(
+                holders,
+                key,
+                need,
+                budget,
+                f"it holds memory while a later graph of the step needs {format_bytes(need)}",
+            )
             warnings.warn(
                 f"fxremat: a graph compiled after {', '.join(holders)} in one step (a graph break) needs "
                 f"{format_bytes(need)} while they hold {format_bytes(holding)}: this first step can peak "
@@ -194,12 +204,22 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
         for call in calls:
             shared = sum(nbytes for ptr, nbytes in mine.items() if ptr in call.leaves)
             if shared:
-                _reserve([call.graph], key, shared, budget,
-                         f"a later graph of the step computes {format_bytes(shared)} of gradients of parameters it "
-                         "also uses, alive through its backward")
+                _reserve(
+                    [call.graph],
+                    key,
+                    shared,
+                    budget,
+                    f"a later graph of the step computes {format_bytes(shared)} of gradients of parameters it "
+                    "also uses, alive through its backward",
+                )
         if graph.plan is not None:
-            log.info("fxremat %s: planned under %s: %s held by %s in this step", graph.plan.graph,
-                     format_bytes(planned.budget or 0), format_bytes(holding), ", ".join(holders))
+            log.info(
+                "fxremat %s: planned under %s: %s held by %s in this step",
+                graph.plan.graph,
+                format_bytes(planned.budget or 0),
+                format_bytes(holding),
+                ", ".join(holders),
+            )
     graph.options = planned
     if graph.plan is not None:
         _GRAPHS[graph.plan.graph] = graph
@@ -237,7 +257,9 @@ def _watch(out, args, graph: _Graph) -> None:
         released = plan.output_bytes - alive
         if released >= REPLAN_MIN_SHARE * options.budget:
             graph.released = True
-            graph.ask(f"the caller dropped {format_bytes(released)} of its outputs before backward "
-                      "(as `model(x).loss` does)", release_outputs=True)
+            graph.ask(
+                f"the caller dropped {format_bytes(released)} of its outputs before backward (as `model(x).loss` does)",
+                release_outputs=True,
+            )
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")

@@ -117,7 +117,10 @@ def _one_step(fn: Callable, args: list, state):
         if wanted and differentiable and torch.is_grad_enabled():
             # Fixed random weights on every output: a wrong value scaled by one could hide.
             gen = torch.Generator().manual_seed(0)
-            weights = [(torch.rand(o.shape, generator=gen, dtype=torch.float32) + 0.5).to(o.device, o.dtype) for o in differentiable]
+            weights = [
+                (torch.rand(o.shape, generator=gen, dtype=torch.float32) + 0.5).to(o.device, o.dtype)
+                for o in differentiable
+            ]
             got = torch.autograd.grad(differentiable, [copies[i] for i in wanted], weights, allow_unused=True)
             grads = dict(zip(wanted, got))
     return [o.detach() for o in outs], grads

@@ -176,15 +176,33 @@ def timeline_png(plan, path: str | os.PathLike, *, measured=None, references: Ma
     if meas:
         end = meas[-1][0] or 1.0
         label = f"measured (time-scaled), peak {format_bytes(max(b for _, b in meas))}"
-        ax.plot([2 * t / end for t, _ in meas], [b / scale for _, b in meas], color="black", linewidth=1, alpha=0.7, label=label)
+        ax.plot(
+            [2 * t / end for t, _ in meas],
+            [b / scale for _, b in meas],
+            color="black",
+            linewidth=1,
+            alpha=0.7,
+            label=label,
+        )
     if steps:
         xs = _normalised([p for p, _ in steps])
         ys = [b / scale for _, b in steps]
-        ax.plot(*_with_end(xs, ys), drawstyle="steps-post", color="tab:blue", linewidth=2, label=f"{plan.solver} (predicted)")
+        ax.plot(
+            *_with_end(xs, ys),
+            drawstyle="steps-post",
+            color="tab:blue",
+            linewidth=2,
+            label=f"{plan.solver} (predicted)",
+        )
         top = max(range(len(ys)), key=ys.__getitem__)
         ax.plot([xs[top]], [ys[top]], "o", color="tab:blue")
-        ax.annotate(f"peak {format_bytes(steps[top][1])}\n{plan.timeline[top][0]}", (xs[top], ys[top]),
-                    textcoords="offset points", xytext=(6, 6), fontsize=8)
+        ax.annotate(
+            f"peak {format_bytes(steps[top][1])}\n{plan.timeline[top][0]}",
+            (xs[top], ys[top]),
+            textcoords="offset points",
+            xytext=(6, 6),
+            fontsize=8,
+        )
     else:
         ax.text(0.5, 0.5, "no timeline recorded", transform=ax.transAxes, ha="center")
     if plan.budget is not None:
@@ -237,14 +255,15 @@ def plan_dot(plan, path: str | os.PathLike, *, full: bool = False) -> Path:
     nodes = plan.nodes
     collapse = len(nodes) > COLLAPSE_THRESHOLD and not full
     budget = "none" if plan.budget is None else format_bytes(plan.budget)
-    title = (f"{plan.graph}: {len(nodes)} nodes, budget {budget}, predicted peak {format_bytes(plan.predicted_peak)}"
-             + (" (collapsed per module; full=True draws every node)" if collapse else ""))
+    title = f"{plan.graph}: {len(nodes)} nodes, budget {budget}, predicted peak {format_bytes(plan.predicted_peak)}" + (
+        " (collapsed per module; full=True draws every node)" if collapse else ""
+    )
     legend = "green: kept   orange: recomputed   grey: forward   blue: backward"
     lines = [
         f"digraph {_dot_quote(plan.graph)} {{",
         f"  graph [label={_dot_label(title, legend)}, labelloc=t, fontsize=12];",
         '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=10];',
-        "  edge [color=\"#777777\", arrowsize=0.6];",
+        '  edge [color="#777777", arrowsize=0.6];',
     ]
     lines += _module_dot(nodes) if collapse else _node_dot(nodes)
     lines.append("}")
@@ -260,7 +279,7 @@ def _node_dot(nodes) -> list[str]:
     for n in nodes:
         color = ROLE_COLORS.get(n.role, "white")
         label = _dot_label(n.name, n.op, format_bytes(n.nbytes), n.module or "<top>")
-        lines.append(f"  {_dot_quote(n.name)} [label={label}, fillcolor=\"{color}\", tooltip={_dot_quote(n.role)}];")
+        lines.append(f'  {_dot_quote(n.name)} [label={label}, fillcolor="{color}", tooltip={_dot_quote(n.role)}];')
     for n in nodes:
         for src in dict.fromkeys(n.inputs):  # graph inputs are not among the nodes
             if src in names:
@@ -303,7 +322,7 @@ def _module_dot(nodes) -> list[str]:
         else:
             fill = ROLE_COLORS["forward"]
         style = ', style="striped"' if ";" in fill else ""
-        lines.append(f"  {ids[key]} [label={_dot_label(*rows)}, fillcolor=\"{fill}\"{style}];")
+        lines.append(f'  {ids[key]} [label={_dot_label(*rows)}, fillcolor="{fill}"{style}];')
     edges: dict[tuple[str, str], int] = {}
     for n in nodes:
         dst = group_of[n.name]
@@ -312,7 +331,7 @@ def _module_dot(nodes) -> list[str]:
                 pair = (ids[group_of[src]], ids[dst])
                 edges[pair] = edges.get(pair, 0) + 1
     for (a, b), count in edges.items():
-        lines.append(f"  {a} -> {b}" + (f" [label=\"{count}\", fontsize=8];" if count > 1 else ";"))
+        lines.append(f"  {a} -> {b}" + (f' [label="{count}", fontsize=8];' if count > 1 else ";"))
     return lines
 
 
@@ -340,8 +359,13 @@ def plan_svg(dot_path: str | os.PathLike) -> Path | None:
     src = Path(dot_path)
     out = src.with_suffix(".svg")
     try:
-        subprocess.run([exe, "-Tsvg", str(src), "-o", str(out)], check=True, capture_output=True,
-                       text=True, timeout=SVG_TIMEOUT_SECONDS)
+        subprocess.run(
+            [exe, "-Tsvg", str(src), "-o", str(out)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=SVG_TIMEOUT_SECONDS,
+        )
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"Graphviz dot failed on {src} (exit {exc.returncode}): {exc.stderr.strip()}") from exc
     except subprocess.TimeoutExpired as exc:
@@ -357,8 +381,9 @@ def plan_svg(dot_path: str | os.PathLike) -> Path | None:
 # ---------------------------------------------------------------------------
 
 
-def save_figures(plan, directory: str | os.PathLike, *, measured=None, references: Mapping | None = None,
-                 full: bool = False) -> list[Path]:
+def save_figures(
+    plan, directory: str | os.PathLike, *, measured=None, references: Mapping | None = None, full: bool = False
+) -> list[Path]:
     """Write ``graph.dot``, ``graph.svg`` (when Graphviz is installed) and ``timeline.png``.
 
     ``Plan.save`` calls this, so it never fails for a missing optional
@@ -433,17 +458,32 @@ def pareto_png(points: Iterable, path: str | os.PathLike) -> Path:
         if not front or p.recompute_seconds < front[-1].recompute_seconds:
             front.append(p)
     if front:
-        ax.plot([p.predicted_peak / scale for p in front], [p.recompute_seconds / t_scale for p in front],
-                drawstyle="steps-post", color="tab:blue", label="front")
-    ax.plot([p.predicted_peak / scale for p in pts], [p.recompute_seconds / t_scale for p in pts],
-            "o", color="tab:blue", label="plans")
+        ax.plot(
+            [p.predicted_peak / scale for p in front],
+            [p.recompute_seconds / t_scale for p in front],
+            drawstyle="steps-post",
+            color="tab:blue",
+            label="front",
+        )
+    ax.plot(
+        [p.predicted_peak / scale for p in pts],
+        [p.recompute_seconds / t_scale for p in pts],
+        "o",
+        color="tab:blue",
+        label="plans",
+    )
     # Budget labels on each marker while they stay legible.
     if len(pts) <= 12:
         for p in pts:
             budget = getattr(p, "budget", None)
             if budget is not None:
-                ax.annotate(f"budget {format_bytes(budget)}", (p.predicted_peak / scale, p.recompute_seconds / t_scale),
-                            textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(
+                    f"budget {format_bytes(budget)}",
+                    (p.predicted_peak / scale, p.recompute_seconds / t_scale),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
     if not pts:
         ax.text(0.5, 0.5, "no points", transform=ax.transAxes, ha="center")
     ax.set_xlabel(f"predicted peak ({unit})")

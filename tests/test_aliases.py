@@ -198,11 +198,19 @@ class RandomAliases(nn.Module):
         return total + x.square().mean()
 
 
-@settings(max_examples=INDUCTOR_EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=INDUCTOR_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
-    st.lists(st.tuples(st.sampled_from(("mm", "relu", "inplace")), st.sampled_from(("reshape", "transpose", "slice"))),
-             min_size=1, max_size=3),
+    st.lists(
+        st.tuples(st.sampled_from(("mm", "relu", "inplace")), st.sampled_from(("reshape", "transpose", "slice"))),
+        min_size=1,
+        max_size=3,
+    ),
     st.sampled_from((None, "least")),
 )
 def test_random_aliases_under_inductor(spec, budget):

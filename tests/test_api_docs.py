@@ -37,7 +37,9 @@ def test_every_export_is_documented(gen_api):
     text = gen_api.render()
     for name in fxremat.__all__:
         if name != "__version__":
-            assert f"`fxremat.{name}`" in text, f"fxremat.{name} is missing from the API page; add it to GROUPS in docs/gen_api.py"
+            assert f"`fxremat.{name}`" in text, (
+                f"fxremat.{name} is missing from the API page; add it to GROUPS in docs/gen_api.py"
+            )
 
 
 def test_render_is_deterministic(gen_api):
@@ -45,7 +47,7 @@ def test_render_is_deterministic(gen_api):
 
 
 def test_docstring_sections_become_markdown(gen_api):
-    doc = '''Do a thing with ``x``.
+    doc = """Do a thing with ``x``.
 
     Args:
         x: the input,
@@ -60,7 +62,7 @@ def test_docstring_sections_become_markdown(gen_api):
         2
 
     Trailing prose.
-    '''
+    """
     md = gen_api.render_doc(doc)
     assert "Do a thing with `x`." in md
     assert "- `x`: the input, continued here." in md

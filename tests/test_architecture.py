@@ -87,7 +87,9 @@ def test_only_the_compat_module_touches_private_torch_names():
                         assert not any(p.startswith("_") for p in name.split(".")[1:]), f"{module} imports {name}"
             elif isinstance(node, ast.Attribute):
                 found = _private_torch(node)
-                assert found is None, f"{module} line {node.lineno} touches {found}: move it into fxremat/_torch_compat.py"
+                assert found is None, (
+                    f"{module} line {node.lineno} touches {found}: move it into fxremat/_torch_compat.py"
+                )
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -100,7 +102,10 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_module_level_imports_have_no_cycle():
     modules = _modules()
-    graph = {m: {t for t, _ in _imports(m, tree, top_level_only=True) if t in modules and t != m} for m, tree in modules.items()}
+    graph = {
+        m: {t for t, _ in _imports(m, tree, top_level_only=True) if t in modules and t != m}
+        for m, tree in modules.items()
+    }
     # The package __init__ re-exports the public API: it sits on top and imports everything.
     graph = {m: deps - {"fxremat"} for m, deps in graph.items()}
     state: dict[str, int] = {}
@@ -121,7 +126,9 @@ def test_module_level_imports_have_no_cycle():
 
 def test_the_architecture_checks_can_fail():
     """The checks above find what they look for (so a pass means something)."""
-    bad = ast.parse("import torch\nx = torch._dynamo.reset\nfrom ..planner import partition\nfrom .fusion import _hint\n")
+    bad = ast.parse(
+        "import torch\nx = torch._dynamo.reset\nfrom ..planner import partition\nfrom .fusion import _hint\n"
+    )
     assert any(_private_torch(n) for n in ast.walk(bad) if isinstance(n, ast.Attribute))
     imports = _imports("fxremat.passes.cost", bad, top_level_only=False)
     assert ("fxremat.planner", ["partition"]) in imports

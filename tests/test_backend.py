@@ -120,8 +120,9 @@ def test_entry_point_without_import(tmp_path):
         "assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref, got))\n"
         "print('imported before compile:', 'fxremat' in sys.modules and 'ok')\n"
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""}
+    )
     assert out.returncode == 0, out.stderr
     assert "ok" in out.stdout
 

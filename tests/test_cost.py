@@ -11,7 +11,6 @@ from fxremat.hardware import HARDWARE, get_hardware
 from fxremat.passes.cost import annotate
 
 
-
 def _joint_costs(fn, *args):
     """Cost table of fn's forward graph traced by make_fx, and flop_counter's count of the same call."""
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -88,7 +88,9 @@ def test_a_loaded_machine_gets_the_same_plan_or_an_error(small_stack, monkeypatc
 def test_no_time_limit_gives_the_same_plan(small_stack):
     p, budgets = small_stack
     for name in ("auto", "ilp", "mincut"):
-        assert same(solve(p, budgets["tight"], name), solve(p, budgets["tight"], name, SolveOptions(time_limit=math.inf)))
+        assert same(
+            solve(p, budgets["tight"], name), solve(p, budgets["tight"], name, SolveOptions(time_limit=math.inf))
+        )
 
 
 @pytest.mark.parametrize("name", ["auto", "ilp", "mincut"])
@@ -117,7 +119,10 @@ def test_highs_stopped_by_the_time_limit_raises(small_stack, monkeypatch):
 
 @pytest.mark.parametrize(
     "options, note",
-    [(SolveOptions(milp_rounds=1), "MILP round limit 1 hit"), (SolveOptions(milp_nodes=1), "MILP node limit 1 hit in round 1")],
+    [
+        (SolveOptions(milp_rounds=1), "MILP round limit 1 hit"),
+        (SolveOptions(milp_nodes=1), "MILP node limit 1 hit in round 1"),
+    ],
 )
 def test_work_limits_are_noted_and_leave_the_gap_unknown(small_stack, options, note):
     p, budgets = small_stack

@@ -163,15 +163,31 @@ def budget() -> int:
 def runs(tmp_path_factory, budget):
     out = tmp_path_factory.mktemp("distributed")
     port = _free_port()
-    env_base = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env_base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
     procs = []
     for rank in range(WORLD):
-        env = {**env_base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, str(out), str(budget)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
+        env = {
+            **env_base,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, str(out), str(budget)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = []
     try:
         for proc in procs:

@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quickstart_runs_small():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--inner", "eager", "--steps", "1", "--small"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("fxremat budget")]

@@ -42,7 +42,10 @@ def chain() -> RematProblem:
     # Backward: t (1 B), g = grad(t, a) (10 B, returned).
     return problem(
         [("a", F, (), 10), ("b", F, (0,), 10), ("c", F, (1,), 1), ("t", B, (), 1), ("g", B, (3, 0), 10)],
-        fw_outputs=(2,), tangents=(3,), bw_outputs=(4,), fused=(1,),
+        fw_outputs=(2,),
+        tangents=(3,),
+        bw_outputs=(4,),
+        fused=(1,),
     )
 
 
@@ -53,22 +56,44 @@ def test_a_fused_value_allocates_nothing_and_keeps_its_input_alive():
     timeline = schedule.liveness(p, *schedule.programs(p, (0,), ()), (0,))
     assert [live for _, _, live in timeline.steps] == [10, 10, 11, 12, 22]
     unfused = RematProblem(**{**p.__dict__, "fused": ()})
-    assert [live for _, _, live in schedule.liveness(unfused, *schedule.programs(unfused, (0,), ()), (0,)).steps] == [10, 20, 21, 12, 22]
+    assert [live for _, _, live in schedule.liveness(unfused, *schedule.programs(unfused, (0,), ()), (0,)).steps] == [
+        10,
+        20,
+        21,
+        12,
+        22,
+    ]
 
 
 def test_a_kept_fused_value_is_materialized():
     # Backward reads b: keeping b makes the forward write it (10 B) for the backward.
     p = problem(
         [("a", F, (), 10), ("b", F, (0,), 10), ("c", F, (1,), 1), ("t", B, (), 1), ("g", B, (3, 1), 10)],
-        fw_outputs=(2,), tangents=(3,), bw_outputs=(4,), fused=(1,),
+        fw_outputs=(2,),
+        tangents=(3,),
+        bw_outputs=(4,),
+        fused=(1,),
     )
     # Keep b: forward a=10, b=20 (then a is freed) -> 10, c=11. Backward t=12, g=22.
-    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, (1,), ()), (1,)).steps] == [10, 20, 11, 12, 22]
+    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, (1,), ()), (1,)).steps] == [
+        10,
+        20,
+        11,
+        12,
+        22,
+    ]
     # Keep a, recompute b: b is computed inside g's kernel, so it costs nothing.
     # Forward: a=10, b=10, c=11. Backward: t=12, b=12, g=22.
     kept, recomputed = schedule.close(p, (0,))
     assert (kept, recomputed) == ((0,), (1,))
-    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, kept, recomputed), kept).steps] == [10, 10, 11, 12, 12, 22]
+    assert [live for _, _, live in schedule.liveness(p, *schedule.programs(p, kept, recomputed), kept).steps] == [
+        10,
+        10,
+        11,
+        12,
+        12,
+        22,
+    ]
 
 
 def test_released_outputs_die_when_the_backward_starts():
@@ -118,14 +143,22 @@ def _compile_and_observe(name: str, budget, monkeypatch):
     base, inputs = ZOO[name]()
     model = copy.deepcopy(base)
     compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
-    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings(), \
-            planner.watch() as planned:
+    with (
+        inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False),
+        warnings.catch_warnings(),
+        planner.watch() as planned,
+    ):
         warnings.simplefilter("ignore")
         compiled(*inputs).backward()
         measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
     lowered = planned[-1][1].lowered
-    ours = [{n.name for n in fused_nodes(gm.graph, annotate(gm, get_hardware("cpu")))} for gm in (lowered.forward, lowered.backward)]
-    allocated = [{origin for buf, origin in names.items() if buf not in gone} for names, gone in zip(realized[-2:], removed[-2:])]
+    ours = [
+        {n.name for n in fused_nodes(gm.graph, annotate(gm, get_hardware("cpu")))}
+        for gm in (lowered.forward, lowered.backward)
+    ]
+    allocated = [
+        {origin for buf, origin in names.items() if buf not in gone} for names, gone in zip(realized[-2:], removed[-2:])
+    ]
     return ours[-2:], allocated, fxremat.plans()[-1], measured.peak_bytes
 
 

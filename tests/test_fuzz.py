@@ -87,10 +87,13 @@ class FuzzNet(nn.Module):
 def models(draw):
     width = draw(st.sampled_from((8, 16, 32)))
     batch = draw(st.sampled_from((4, 8, 16)))
-    spec = draw(st.lists(
-        st.tuples(st.sampled_from(BLOCKS), st.sampled_from(ACTIVATIONS), st.sampled_from((0.1, 0.5))),
-        min_size=1, max_size=6,
-    ))
+    spec = draw(
+        st.lists(
+            st.tuples(st.sampled_from(BLOCKS), st.sampled_from(ACTIVATIONS), st.sampled_from((0.1, 0.5))),
+            min_size=1,
+            max_size=6,
+        )
+    )
     seed = draw(st.integers(0, 2**16))
     frac = draw(st.floats(0.0, 1.0))  # where the budget falls between the least and the fastest peak
     return spec, width, batch, seed, frac
@@ -113,8 +116,14 @@ def _compare(ref, ref_loss, model, loss):
         torch.testing.assert_close(b, ref_buffers[name], atol=ATOL, rtol=RTOL, msg=f"buffer {name}")
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(models())
 def test_random_models_under_random_budgets(case):
     spec, width, batch, seed, frac = case
@@ -151,7 +160,8 @@ def test_random_models_under_random_budgets(case):
     measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
     assert measured.peak_bytes <= budget * MEASURE_SLACK, (
         f"{spec} width {width} batch {batch}: measured {measured.peak_bytes} > budget {budget}; "
-        f"{[p.summary() for p in plans]}")
+        f"{[p.summary() for p in plans]}"
+    )
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -61,8 +61,14 @@ def test_a_writer_takes_the_buffer_that_dies_under_it():
 def test_a_kept_buffer_is_not_overwritten_in_the_forward_but_is_in_the_backward():
     # Forward: a (10 B) -> b = f(a) (10 B, may write into a) -> c (1 B, output).
     # Backward: t (1 B), h = f(t, a) (10 B, may write into a: a dies there), g (10 B, returned).
-    rows = [("a", F, (), 10), ("b", F, (0,), 10), ("c", F, (1,), 1), ("t", B, (), 1),
-            ("h", B, (3, 0), 10), ("g", B, (4,), 10)]
+    rows = [
+        ("a", F, (), 10),
+        ("b", F, (0,), 10),
+        ("c", F, (1,), 1),
+        ("t", B, (), 1),
+        ("h", B, (3, 0), 10),
+        ("g", B, (4,), 10),
+    ]
     p = problem(rows, fw_outputs=(2,), tangents=(3,), bw_outputs=(5,), inplace=((1, 0), (4, 0)))
     # Keep a: the forward cannot reuse it (a=10, b=20, c=21, then b goes). The
     # backward starts with a and c (11) and gets a donated: t=12, h=12 (in a's
@@ -111,7 +117,7 @@ def test_no_candidate_while_another_reader_may_run_later():
 
     def two_readers(x, w):
         m = x @ w
-        r = torch.relu(m)        # may not take m: the mm below reads m and is no ancestor of r
+        r = torch.relu(m)  # may not take m: the mm below reads m and is no ancestor of r
         return r, m @ w
 
     assert candidates(two_readers, x, w) == set()
@@ -144,9 +150,14 @@ def _compile(name: str, budget, monkeypatch):
     torch._dynamo.reset()
     fxremat.clear_plans()
     base, inputs = ZOO[name]()
-    compiled = torch.compile(copy.deepcopy(base), backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
-    with inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False), warnings.catch_warnings(), \
-            planner.watch() as planned:
+    compiled = torch.compile(
+        copy.deepcopy(base), backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor")
+    )
+    with (
+        inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False),
+        warnings.catch_warnings(),
+        planner.watch() as planned,
+    ):
         warnings.simplefilter("ignore")
         compiled(*inputs).backward()
         measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)

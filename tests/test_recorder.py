@@ -26,6 +26,6 @@ def test_history_is_bounded_and_keeps_the_newest(monkeypatch):
     for name in names:
         recorder.record(_plan(name), options)
     kept = [p.graph for p in fxremat.plans()]
-    assert kept == names[-recorder.MAX_PLANS:]
+    assert kept == names[-recorder.MAX_PLANS :]
     fxremat.clear_plans()
     assert fxremat.plans() == []

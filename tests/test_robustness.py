@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import json
 import os
 import pathlib
@@ -116,7 +115,24 @@ BUDGET_FORMS = "512MiB"  # every budget error lists the accepted forms, this one
 
 @pytest.mark.parametrize(
     "bad",
-    [-1, 0, float("nan"), float("inf"), True, False, 0.5, 1.5, "lots", "12 parsecs", "", "-5MiB", "0B", "0.5B", [1], {"b": 1}],
+    [
+        -1,
+        0,
+        float("nan"),
+        float("inf"),
+        True,
+        False,
+        0.5,
+        1.5,
+        "lots",
+        "12 parsecs",
+        "",
+        "-5MiB",
+        "0B",
+        "0.5B",
+        [1],
+        {"b": 1},
+    ],
 )
 def test_bad_budget_names_option_value_and_forms(bad):
     for make in (lambda: fxremat.backend(budget=bad), lambda: Options.from_mapping({"budget": bad})):
@@ -134,27 +150,39 @@ def test_overflowing_budget_message_is_not_about_one_byte():
     assert "at least one byte" not in str(info.value)
 
 
-@pytest.mark.parametrize("good,expected", [
-    (123, 123), ("800kB", 800_000), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("2GiB", 2 * 2**30),
-    (" 2 gib ", 2 * 2**30), ("1e9B", 10**9), (None, None),
-])
+@pytest.mark.parametrize(
+    "good,expected",
+    [
+        (123, 123),
+        ("800kB", 800_000),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("2GiB", 2 * 2**30),
+        (" 2 gib ", 2 * 2**30),
+        ("1e9B", 10**9),
+        (None, None),
+    ],
+)
 def test_budget_forms_accepted(good, expected, monkeypatch):
     monkeypatch.delenv("FXREMAT_BUDGET", raising=False)
     assert Options.from_mapping({"budget": good}).budget == expected
     assert fxremat.backend(budget=good).options.budget == expected
 
 
-@pytest.mark.parametrize("option,bad,valid", [
-    ("solver", "magic", ["auto", "ilp", "mincut", "save_all", "per_layer", "sqrt_n", "save_inputs"]),
-    ("solver", None, ["auto", "ilp", "mincut"]),
-    ("inner", "tvm", ["inductor", "eager"]),
-    ("inner", None, ["inductor", "eager"]),
-    ("hardware", "tpu", ["cpu", "a100", "h100", "h200"]),
-    ("on_infeasible", "ignore", ["error", "min"]),
-    ("on_infeasible", "raise", ["error", "min"]),
-    ("on_error", "ignore", ["raise", "fallback"]),
-    ("on_error", True, ["raise", "fallback"]),
-])
+@pytest.mark.parametrize(
+    "option,bad,valid",
+    [
+        ("solver", "magic", ["auto", "ilp", "mincut", "save_all", "per_layer", "sqrt_n", "save_inputs"]),
+        ("solver", None, ["auto", "ilp", "mincut"]),
+        ("inner", "tvm", ["inductor", "eager"]),
+        ("inner", None, ["inductor", "eager"]),
+        ("hardware", "tpu", ["cpu", "a100", "h100", "h200"]),
+        ("on_infeasible", "ignore", ["error", "min"]),
+        ("on_infeasible", "raise", ["error", "min"]),
+        ("on_error", "ignore", ["raise", "fallback"]),
+        ("on_error", True, ["raise", "fallback"]),
+    ],
+)
 def test_unknown_choice_lists_valid_ones(option, bad, valid):
     for make in (lambda: fxremat.backend(**{option: bad}), lambda: Options.from_mapping({option: bad})):
         with pytest.raises(ValueError) as info:
@@ -165,15 +193,18 @@ def test_unknown_choice_lists_valid_ones(option, bad, valid):
             assert repr(name) in message, message
 
 
-@pytest.mark.parametrize("option,bad,form", [
-    ("time_limit", 0, "positive number of seconds"),
-    ("time_limit", -1, "positive number of seconds"),
-    ("time_limit", float("nan"), "positive number of seconds"),
-    ("time_limit", "10", "positive number of seconds"),
-    ("time_limit", True, "positive number of seconds"),
-    ("dump_dir", 3, "path"),
-    ("measure_scratch", "yes", "True or False"),
-])
+@pytest.mark.parametrize(
+    "option,bad,form",
+    [
+        ("time_limit", 0, "positive number of seconds"),
+        ("time_limit", -1, "positive number of seconds"),
+        ("time_limit", float("nan"), "positive number of seconds"),
+        ("time_limit", "10", "positive number of seconds"),
+        ("time_limit", True, "positive number of seconds"),
+        ("dump_dir", 3, "path"),
+        ("measure_scratch", "yes", "True or False"),
+    ],
+)
 def test_other_options_validated(option, bad, form):
     for make in (lambda: fxremat.backend(**{option: bad}), lambda: Options.from_mapping({option: bad})):
         with pytest.raises((ValueError, TypeError)) as info:
@@ -183,7 +214,10 @@ def test_other_options_validated(option, bad, form):
 
 
 def test_unknown_option_keys_rejected_with_valid_list():
-    for make in (lambda: fxremat.backend(budgt="1GiB"), lambda: Options.from_mapping({"budgt": "1GiB", "inner": "eager"})):
+    for make in (
+        lambda: fxremat.backend(budgt="1GiB"),
+        lambda: Options.from_mapping({"budgt": "1GiB", "inner": "eager"}),
+    ):
         with pytest.raises(ValueError) as info:
             make()
         message = str(info.value)
@@ -194,9 +228,11 @@ def test_unknown_option_keys_rejected_with_valid_list():
 
 def test_bad_options_through_torch_compile_name_the_option():
     """``torch.compile(backend="fxremat", options=...)``: the error comes at the first call, still naming the option."""
-    for options, words in (({"solver": "magic"}, ["solver", "'magic'", "'mincut'"]),
-                           ({"budgt": 1}, ["'budgt'", "'budget'"]),
-                           ({"budget": 0.5, "inner": "eager"}, ["budget=0.5", BUDGET_FORMS])):
+    for options, words in (
+        ({"solver": "magic"}, ["solver", "'magic'", "'mincut'"]),
+        ({"budgt": 1}, ["'budgt'", "'budget'"]),
+        ({"budget": 0.5, "inner": "eager"}, ["budget=0.5", BUDGET_FORMS]),
+    ):
         torch._dynamo.reset()
         compiled = torch.compile(nn.Linear(4, 4), backend="fxremat", options=options)
         with pytest.raises(Exception) as info:
@@ -516,7 +552,8 @@ def test_dynamic_shapes_without_scratch_guard_honours_budget():
         model.zero_grad(set_to_none=False)
         measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
         assert recompiled or measured.peak_bytes <= budget * 1.02, (
-            f"length {x.shape[1]}: measured {measured.peak_bytes} > budget {budget} and no new plan")
+            f"length {x.shape[1]}: measured {measured.peak_bytes} > budget {budget} and no new plan"
+        )
 
 
 class Broken(nn.Module):
@@ -851,8 +888,13 @@ def test_same_model_and_options_same_plan_in_fresh_processes(tmp_path):
     script = tmp_path / "kept.py"
     script.write_text(_KEPT_SCRIPT)
     procs = [
-        subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(PYTHONHASHSEED=str(seed)))
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(PYTHONHASHSEED=str(seed)),
+        )
         for seed in (1, 2)  # different hash seeds: set iteration order must not leak into the plan
     ]
     outs = []
@@ -898,8 +940,13 @@ def test_same_plan_idle_and_under_load(tmp_path):
     zoo_dir = str(pathlib.Path(__file__).resolve().parent)
     outs = []
     for busy in ("0", "1"):
-        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400,
-                             env=_env(BUSY=busy, ZOO_DIR=zoo_dir))
+        out = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=_env(BUSY=busy, ZOO_DIR=zoo_dir),
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         outs.append(out.stdout)
     assert "kept [" in outs[0] and "kept []" not in outs[0], outs[0]
@@ -954,11 +1001,12 @@ def inductor_cache_runs(tmp_path_factory):
     env = _env(TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp / "cache"))
     runs = []
     for budgets in ((CACHE_BUDGET_A,), (CACHE_BUDGET_B, CACHE_BUDGET_A)):
-        out = subprocess.run([sys.executable, str(script), *map(str, budgets)], capture_output=True, text=True,
-                             timeout=300, env=env)
+        out = subprocess.run(
+            [sys.executable, str(script), *map(str, budgets)], capture_output=True, text=True, timeout=300, env=env
+        )
         assert out.returncode == 0, out.stderr[-3000:]
-        line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
-        runs.append(json.loads(line[len("RESULT "):]))
+        line = next(text for text in out.stdout.splitlines() if text.startswith("RESULT "))
+        runs.append(json.loads(line[len("RESULT ") :]))
     return runs
 
 

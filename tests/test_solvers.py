@@ -112,7 +112,10 @@ def build(fw: list[Fw], outputs, never_recompute=(), must_save=(), must_recomput
 
 def chain(n: int, nbytes: int = 4, seconds: float = 1.0, layers: int = 0) -> RematProblem:
     """x0 -> x1 -> ... -> x(n-1) (the output); each gradient reads its node's input."""
-    fw = [Fw((v - 1,) if v else (), nbytes, seconds, (v - 1,) if v else (), layer=(v * layers // n if layers else -1)) for v in range(n)]
+    fw = [
+        Fw((v - 1,) if v else (), nbytes, seconds, (v - 1,) if v else (), layer=(v * layers // n if layers else -1))
+        for v in range(n)
+    ]
     return build(fw, [n - 1])
 
 
@@ -128,7 +131,9 @@ def diamond() -> RematProblem:
     return build(fw, [4])
 
 
-def transformer(layers: int = 12, pointwise: int = 6, seq: int = 512, hidden: int = 768, heads: int = 12, batch: int = 4) -> RematProblem:
+def transformer(
+    layers: int = 12, pointwise: int = 6, seq: int = 512, hidden: int = 768, heads: int = 12, batch: int = 4
+) -> RematProblem:
     """A GPT-like stack: per layer layernorm, qkv, attention, MLP; each pointwise op a chain of nodes.
 
     Bytes are fp32 activations; seconds a roofline on a 100 TFLOP/s, 2 TB/s
@@ -140,7 +145,17 @@ def transformer(layers: int = 12, pointwise: int = 6, seq: int = 512, hidden: in
     fw: list[Fw] = []
 
     def node(inputs, nbytes, flops, saves=(), view_of=None, layer=-1, param_bytes=0):
-        fw.append(Fw(tuple(inputs), nbytes, max(flops / 100e12, nbytes / 2e12) + 5e-6, tuple(saves), view_of, layer, param_bytes))
+        fw.append(
+            Fw(
+                tuple(inputs),
+                nbytes,
+                max(flops / 100e12, nbytes / 2e12) + 5e-6,
+                tuple(saves),
+                view_of,
+                layer,
+                param_bytes,
+            )
+        )
         return len(fw) - 1
 
     def chain_of(x, nbytes, layer, length):
@@ -149,7 +164,9 @@ def transformer(layers: int = 12, pointwise: int = 6, seq: int = 512, hidden: in
         return x
 
     def mm(x, out_bytes, k, layer):
-        return node([x], out_bytes, 2 * (out_bytes // 4) * k, saves=[x], layer=layer, param_bytes=k * out_bytes // (seq * batch))
+        return node(
+            [x], out_bytes, 2 * (out_bytes // 4) * k, saves=[x], layer=layer, param_bytes=k * out_bytes // (seq * batch)
+        )
 
     x = node([], act, act)  # embedding
     for layer in range(layers):
@@ -202,7 +219,13 @@ def problems(draw, max_forward: int = 10) -> RematProblem:
     outputs = sorted({n - 1} | draw(st.sets(st.integers(0, n - 1), max_size=1)))
     tag = st.sets(st.integers(0, n - 1), max_size=2)
     rare = st.one_of(st.just(set()), st.just(set()), tag)
-    p = build(fw, outputs, never_recompute=draw(rare), must_save=draw(rare), must_recompute=draw(st.one_of(st.just(set()), st.just(set()), st.just(set()), tag)))
+    p = build(
+        fw,
+        outputs,
+        never_recompute=draw(rare),
+        must_save=draw(rare),
+        must_recompute=draw(st.one_of(st.just(set()), st.just(set()), st.just(set()), tag)),
+    )
     # Inductor-style fusion: some values (forward or backward) allocate nothing unless kept or returned.
     owners = [v for v in range(p.size) if p.storage[v] == v and p.nbytes[v] and v not in p.tangents]
     fused = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(owners), max_size=len(owners)))) if owners else set()
@@ -251,7 +274,9 @@ def budgets(truth: Truth):
     peaks = sorted({peak for _, peak, _ in truth.plans})
     fastest = min(truth.plans, key=lambda plan: (plan[2], plan[1]))[1]
     tight = [peak for peak in peaks if peak < fastest] or peaks
-    return st.one_of(st.none(), st.sampled_from(peaks), st.sampled_from(tight), st.sampled_from(tight), st.just(peaks[0] - 1))
+    return st.one_of(
+        st.none(), st.sampled_from(peaks), st.sampled_from(tight), st.sampled_from(tight), st.just(peaks[0] - 1)
+    )
 
 
 def assert_valid(p: RematProblem, d: Decision) -> None:

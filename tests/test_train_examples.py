@@ -27,7 +27,10 @@ def _run(script: str, *args: str, cwd: Path) -> str:
     """Run an example with the smoke-test flags; its stdout (the run must exit with status 0)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--small", "--steps", "1", "--inner", "eager", *args],
-        capture_output=True, text=True, timeout=300, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
         # One thread: `make test` runs two workers on two cores, and oversubscribed threads crawl.
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

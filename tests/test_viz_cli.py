@@ -45,10 +45,19 @@ def make_plan(num_layers: int = 3, per_layer: int = 4, budget: int | None = 6 * 
     kept = tuple(ValueRecord(n.name, n.op, n.module, n.nbytes, 10, 1e-6) for n in nodes if n.role == "kept")
     recomputed = tuple(ValueRecord(n.name, n.op, n.module, n.nbytes, 10, 1e-6) for n in nodes if n.role == "recomputed")
     return Plan(
-        graph="graph 0", budget=budget, predicted_peak=max(b for *_, b in timeline),
-        saved_bytes=len(kept) * MiB, recompute_flops=10 * len(recomputed), recompute_seconds=1e-6 * len(recomputed),
-        solver="mincut", solve_seconds=0.01, kept=kept, recomputed=recomputed, timeline=tuple(timeline),
-        nodes=tuple(nodes), num_nodes=len(nodes),
+        graph="graph 0",
+        budget=budget,
+        predicted_peak=max(b for *_, b in timeline),
+        saved_bytes=len(kept) * MiB,
+        recompute_flops=10 * len(recomputed),
+        recompute_seconds=1e-6 * len(recomputed),
+        solver="mincut",
+        solve_seconds=0.01,
+        kept=kept,
+        recomputed=recomputed,
+        timeline=tuple(timeline),
+        nodes=tuple(nodes),
+        num_nodes=len(nodes),
     )
 
 
@@ -64,10 +73,17 @@ def dot_nodes(text: str) -> list:
 
 def test_timeline_png_size_and_overlays(tmp_path):
     plan = make_plan()
-    measured = Measurement(peak_bytes=5 * MiB, step_seconds=0.1, all_step_seconds=(0.1,),
-                           timeline=((0.0, 0), (0.05, 5 * MiB), (0.1, MiB)), device="cpu")
-    references = {"save_all": [("forward", 2 * MiB), ("forward", 8 * MiB), ("backward", 4 * MiB)],
-                  "save_inputs": make_plan(budget=None)}
+    measured = Measurement(
+        peak_bytes=5 * MiB,
+        step_seconds=0.1,
+        all_step_seconds=(0.1,),
+        timeline=((0.0, 0), (0.05, 5 * MiB), (0.1, MiB)),
+        device="cpu",
+    )
+    references = {
+        "save_all": [("forward", 2 * MiB), ("forward", 8 * MiB), ("backward", 4 * MiB)],
+        "save_inputs": make_plan(budget=None),
+    }
     path = viz.timeline_png(plan, tmp_path / "t.png", measured=measured, references=references)
     image = imread(path)
     assert image.shape[:2] == (viz.DPI * viz.FIGSIZE[1], viz.DPI * viz.FIGSIZE[0])
@@ -142,8 +158,10 @@ def test_missing_matplotlib_hint(tmp_path, monkeypatch):
 
 
 def test_pareto_png(tmp_path):
-    points = [SimpleNamespace(budget=b * MiB, predicted_peak=b * MiB, recompute_seconds=t)
-              for b, t in ((8, 0.0), (6, 0.002), (5, 0.003), (4, 0.010), (7, 0.004))]
+    points = [
+        SimpleNamespace(budget=b * MiB, predicted_peak=b * MiB, recompute_seconds=t)
+        for b, t in ((8, 0.0), (6, 0.002), (5, 0.003), (4, 0.010), (7, 0.004))
+    ]
     assert imread(viz.pareto_png(points, tmp_path / "p.png")).shape[:2] == (500, 1000)
 
 
@@ -217,7 +235,7 @@ def test_explain_with_fake_planner(tmp_path, factory_file, monkeypatch, capsys):
     out = tmp_path / "out"
     argv = ["explain", "tiny_factory:make", "--budget", "8MiB", "--inner", "eager", "--out", str(out)]
     assert cli.main(argv) == 0
-    (_, args, budget, options), = calls
+    ((_, args, budget, options),) = calls
     assert budget == 8 * MiB and options == {"inner": "eager"} and args[0].shape == (16, 32)
     captured = capsys.readouterr()
     assert "planning tiny_factory:make (budget 8.00 MiB)" in captured.err and "planned in" in captured.err
@@ -227,8 +245,10 @@ def test_explain_with_fake_planner(tmp_path, factory_file, monkeypatch, capsys):
 
 
 def test_pareto_with_fake_planner(tmp_path, factory_file, monkeypatch, capsys):
-    front = [SimpleNamespace(budget=b * MiB, predicted_peak=b * MiB, recompute_seconds=t, solver="mincut", plan=None)
-             for b, t in ((8, 0.0), (6, 0.002), (4, 0.010))]
+    front = [
+        SimpleNamespace(budget=b * MiB, predicted_peak=b * MiB, recompute_seconds=t, solver="mincut", plan=None)
+        for b, t in ((8, 0.0), (6, 0.002), (4, 0.010))
+    ]
     seen = {}
 
     def fake_pareto(model, *args, points=8, **options):
@@ -247,7 +267,9 @@ def test_explain_end_to_end(tmp_path, factory_file, capsys):
     if not hasattr(fxremat, "explain"):
         pytest.skip("fxremat.explain is not there yet")
     out = tmp_path / "plan"
-    assert cli.main(["explain", f"{factory_file}:make", "--budget", "64MiB", "--inner", "eager", "--out", str(out)]) == 0
+    assert (
+        cli.main(["explain", f"{factory_file}:make", "--budget", "64MiB", "--inner", "eager", "--out", str(out)]) == 0
+    )
     assert "predicted peak" in capsys.readouterr().out
     for name in ("plan.txt", "plan.json", "timeline.png", "graph.dot"):
         assert (out / name).is_file(), name

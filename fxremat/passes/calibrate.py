@@ -92,7 +92,11 @@ def calibrate_costs(gm: fx.GraphModule, costs: dict[fx.Node, NodeCost]) -> dict[
             out[node] = dataclasses.replace(costs[node], seconds=timed[key], timed=True)
     log.info(
         "calibrated %d of %d distinct ops (%d of %d nodes) in %.2f s",
-        len(timed), len(first), sum(1 for _, k in keyed if k in timed), len(costs), time.perf_counter() - t0,
+        len(timed),
+        len(first),
+        sum(1 for _, k in keyed if k in timed),
+        len(costs),
+        time.perf_counter() - t0,
     )
     return out
 

@@ -180,7 +180,8 @@ def annotate(gm: fx.GraphModule, hardware: Hardware | None) -> dict[fx.Node, Nod
             fresh = sum(b for b in (nbytes_hint(t) for t in tensors) if b >= FRESH_OUTPUT_BYTES)
             seconds = (
                 max(flops / rate, moved / hardware.bandwidth)
-                + hardware.launch_seconds + fresh / hardware.fresh_bandwidth
+                + hardware.launch_seconds
+                + fresh / hardware.fresh_bandwidth
             )
         sym = {}
         if _symbolic(tensors + inputs):

@@ -142,9 +142,7 @@ def in_generated_kernel(node: fx.Node) -> bool:
     return is_pointwise(node) or packet_name(node) in _REDUCTIONS
 
 
-def fused_nodes(
-    graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx.Node] | None = None
-) -> set[fx.Node]:
+def fused_nodes(graph: fx.Graph, costs: dict[fx.Node, NodeCost], forward: set[fx.Node] | None = None) -> set[fx.Node]:
     """Values of ``graph`` that Inductor computes inside their consumers' kernels.
 
     Args:
@@ -224,4 +222,3 @@ def _consumers(node: fx.Node, costs: dict[fx.Node, NodeCost]) -> list[fx.Node] |
             continue
         out.append(user)
     return sorted(out, key=lambda n: n.name)
-

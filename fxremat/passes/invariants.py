@@ -49,7 +49,10 @@ def check_saved_aliases(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
     """
     outputs = _outputs(fw)
     undonated = {
-        s for s in map(_storage_of, list(fw.graph.find_nodes(op="placeholder")) + outputs[:num_fwd_outputs] + _outputs(bw))
+        s
+        for s in map(
+            _storage_of, list(fw.graph.find_nodes(op="placeholder")) + outputs[:num_fwd_outputs] + _outputs(bw)
+        )
         if s is not None
     }
     groups: dict[StorageWeakRef, list[str]] = {}

@@ -20,7 +20,15 @@ from ..solvers.types import BACKWARD, FORWARD, Decision, RematProblem
 from .cost import NodeCost
 
 __all__ = [
-    "ProblemGraph", "build_problem", "assemble", "storages", "inplace_ids", "is_tangent", "never_recompute_reason", "saved_nodes", "specialize_sizes",
+    "ProblemGraph",
+    "build_problem",
+    "assemble",
+    "storages",
+    "inplace_ids",
+    "is_tangent",
+    "never_recompute_reason",
+    "saved_nodes",
+    "specialize_sizes",
 ]
 
 
@@ -161,16 +169,28 @@ def build_problem(
         if is_sym_node(n) or policy == CheckpointPolicy.MUST_SAVE:
             # A view is saved through its storage (one saved value per storage: schedule.close).
             must_save.append(storage[i] if phase[storage[i]] == FORWARD else i)
-        if is_sym_node(n) or never_recompute_reason(n) is not None or (parent is not None and ids.get(parent) in never_set):
+        if (
+            is_sym_node(n)
+            or never_recompute_reason(n) is not None
+            or (parent is not None and ids.get(parent) in never_set)
+        ):
             never.append(i)
             never_set.add(i)
         elif policy == CheckpointPolicy.MUST_RECOMPUTE or isinstance(n.meta.get("val"), (tuple, list)):
             # A tuple cannot be saved for the backward; its elements (getitems) can.
             must_recompute.append(i)
     problem = assemble(
-        nodes, ids, costs, phase, fw_outputs, bw_outputs, [ids[n] for n in nodes if is_tangent(n)],
-        scratch_by_name={n.name: b for n, b in (scratch or {}).items()}, fused=fused or (),
-        outputs_released=outputs_released, inplace=inplace or (),
+        nodes,
+        ids,
+        costs,
+        phase,
+        fw_outputs,
+        bw_outputs,
+        [ids[n] for n in nodes if is_tangent(n)],
+        scratch_by_name={n.name: b for n, b in (scratch or {}).items()},
+        fused=fused or (),
+        outputs_released=outputs_released,
+        inplace=inplace or (),
         must_save=tuple(sorted(set(must_save))),
         never_recompute=tuple(never),
         must_recompute=tuple(must_recompute),
@@ -192,9 +212,21 @@ def storages(nodes: list[fx.Node], ids: dict[fx.Node, int], costs: dict[fx.Node,
     return [storage[s] for s in storage]
 
 
-def assemble(nodes: list[fx.Node], ids: dict[fx.Node, int], costs: dict[fx.Node, NodeCost], phase: list[int],
-             fw_outputs, bw_outputs, tangents, *, scratch_by_name: dict[str, int], fused, outputs_released: bool,
-             inplace, **tags) -> RematProblem:
+def assemble(
+    nodes: list[fx.Node],
+    ids: dict[fx.Node, int],
+    costs: dict[fx.Node, NodeCost],
+    phase: list[int],
+    fw_outputs,
+    bw_outputs,
+    tangents,
+    *,
+    scratch_by_name: dict[str, int],
+    fused,
+    outputs_released: bool,
+    inplace,
+    **tags,
+) -> RematProblem:
     """The one ``RematProblem`` builder, for the joint graph and for the programs that run.
 
     Args:
@@ -216,7 +248,9 @@ def assemble(nodes: list[fx.Node], ids: dict[fx.Node, int], costs: dict[fx.Node,
     return RematProblem(
         names=tuple(n.name for n in nodes),
         phase=tuple(phase),
-        inputs=tuple(tuple(sorted({ids[a] for a in n.all_input_nodes if a in ids and ids[a] < i})) for i, n in enumerate(nodes)),
+        inputs=tuple(
+            tuple(sorted({ids[a] for a in n.all_input_nodes if a in ids and ids[a] < i})) for i, n in enumerate(nodes)
+        ),
         nbytes=tuple(nbytes),
         storage=tuple(storage),
         seconds=tuple(costs[n].seconds for n in nodes),

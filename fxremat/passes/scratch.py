@@ -132,7 +132,7 @@ _MARKER = "fxremat.scratch."
 def _collect(event, items, outs, result) -> None:
     name = event.name
     if name.startswith(_MARKER):
-        i = int(name[len(_MARKER):])
+        i = int(name[len(_MARKER) :])
         if i in outs:
             sizes: list[tuple[int, int]] = []
             stack = list(event.children)

@@ -100,9 +100,17 @@ def simulate(
     bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
     kept = tuple(id_set(fw_out[num_fwd_outputs:]))
     problem = assemble(
-        fw_nodes + bw_nodes, ids, costs, [FORWARD] * offset + [BACKWARD] * len(bw_nodes),
-        id_set(fw_out[:num_fwd_outputs]), id_set(bw_out), [ids[n] for n in bw_nodes if is_tangent(n)],
-        scratch_by_name=scratch_by_name or {}, fused=fused, outputs_released=outputs_released, inplace=pairs,
+        fw_nodes + bw_nodes,
+        ids,
+        costs,
+        [FORWARD] * offset + [BACKWARD] * len(bw_nodes),
+        id_set(fw_out[:num_fwd_outputs]),
+        id_set(bw_out),
+        [ids[n] for n in bw_nodes if is_tangent(n)],
+        scratch_by_name=scratch_by_name or {},
+        fused=fused,
+        outputs_released=outputs_released,
+        inplace=pairs,
     )
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, problem.size)), kept)
 

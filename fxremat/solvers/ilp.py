@@ -176,7 +176,11 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
             storage_col[owner] = len(storage_bytes)
             storage_bytes.append(problem.nbytes[owner])
         storage_of[v] = storage_col[owner]
-    allocated_outputs = {problem.storage[o] for o in problem.fw_outputs if problem.storage[o] == o or problem.storage[o] in forward_ancestors(problem, [o])}
+    allocated_outputs = {
+        problem.storage[o]
+        for o in problem.fw_outputs
+        if problem.storage[o] == o or problem.storage[o] in forward_ancestors(problem, [o])
+    }
     output_bytes = sum(problem.nbytes[s] for s in allocated_outputs)
 
     # The backward of the plan that keeps everything: every plan runs the same
@@ -216,7 +220,9 @@ def _facts(problem: RematProblem, rule: Rules) -> _Facts:
         for u in problem.inputs[v]:
             if problem.is_forward(u):
                 readers[u].append(v)
-    return _Facts(problem, rule, column, storage_of, storage_bytes, output_bytes, backward, fixed[: len(backward)], reads, readers)
+    return _Facts(
+        problem, rule, column, storage_of, storage_bytes, output_bytes, backward, fixed[: len(backward)], reads, readers
+    )
 
 
 # --------------------------------------------------------------------------
@@ -317,7 +323,11 @@ class _Program:
                     self.row([(a, 1.0), (h[0], -1.0)], 0.0, inf)
                 for w in late_readers:
                     # v is held, w is recomputed, and not before p: w reads v at or after p.
-                    self.row([(a, 1.0), (h[0], -1.0), (self.r(w), -1.0)] + ([(early[w], 1.0)] if w in early else []), -1.0, inf)
+                    self.row(
+                        [(a, 1.0), (h[0], -1.0), (self.r(w), -1.0)] + ([(early[w], 1.0)] if w in early else []),
+                        -1.0,
+                        inf,
+                    )
         terms = [(a, facts.storage_bytes[col] / self.bytes_scale) for col, a in sorted(alive.items())]
         self.row(terms, -inf, (budget - facts.fixed[p]) / self.bytes_scale)
 
@@ -331,13 +341,22 @@ class _Program:
         constraints = []
         if self.lower_rhs:
             rows, cols, vals = zip(*self.entries) if self.entries else ((), (), ())
-            matrix = coo_array((np.array(vals, dtype=float), (np.array(rows, dtype=int), np.array(cols, dtype=int))), shape=(len(self.lower_rhs), n)).tocsr()
+            matrix = coo_array(
+                (np.array(vals, dtype=float), (np.array(rows, dtype=int), np.array(cols, dtype=int))),
+                shape=(len(self.lower_rhs), n),
+            ).tocsr()
             constraints.append(LinearConstraint(matrix, np.array(self.lower_rhs), np.array(high)))
         options: dict[str, object] = {"node_limit": nodes, "mip_rel_gap": MIP_REL_GAP, "disp": False}
         if math.isfinite(seconds_left):
             options["time_limit"] = max(seconds_left, 1e-3)
         with quiet_stdout():  # HiGHS prints MIP progress from C++ whatever disp says
-            return milp(np.array(self.cost), integrality=np.array(self.integer), bounds=Bounds(np.zeros(n), np.array(self.upper)), constraints=constraints, options=options)
+            return milp(
+                np.array(self.cost),
+                integrality=np.array(self.integer),
+                bounds=Bounds(np.zeros(n), np.array(self.upper)),
+                constraints=constraints,
+                options=options,
+            )
 
     def kept(self, x) -> tuple[int, ...]:
         return tuple(v for v in self.facts.rule.relevant if x[self.s(v)] > 0.5)
@@ -348,7 +367,10 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
     problem, rule = facts.problem, facts.rule
     prog = _Program(facts)
     total_seconds = sum(problem.seconds[v] for v in rule.relevant) or 1.0
-    cheapest = min((problem.seconds[v] for v in rule.relevant if problem.seconds[v] > 0), default=total_seconds) / total_seconds
+    cheapest = (
+        min((problem.seconds[v] for v in rule.relevant if problem.seconds[v] > 0), default=total_seconds)
+        / total_seconds
+    )
     prog.bytes_scale = float(sum(facts.storage_bytes)) or 1.0
     for v in rule.relevant:
         prog.var(0.0, 0.0 if v in rule.no_keep else 1.0, True)
@@ -363,7 +385,9 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
         if v in needed:
             prog.row([(prog.s(v), 1.0), (prog.r(v), 1.0)], 1.0, 1.0)
         else:
-            prog.row([(prog.s(v), 1.0), (prog.r(v), 1.0)] + [(prog.r(w), -1.0) for w in facts.readers[v]], -float("inf"), 0.0)
+            prog.row(
+                [(prog.s(v), 1.0), (prog.r(v), 1.0)] + [(prog.r(w), -1.0) for w in facts.readers[v]], -float("inf"), 0.0
+            )
             prog.row([(prog.s(v), 1.0), (prog.r(v), 1.0)], 0.0, 1.0)
         if v in facts.storage_of:
             prog.row([(storage_var[facts.storage_of[v]], 1.0), (prog.s(v), -1.0)], 0.0, float("inf"))
@@ -373,7 +397,9 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
         if len(members) > 1 and sum(v in rule.no_recompute for v in members) <= 1:
             prog.row([(prog.s(v), 1.0) for v in members], -float("inf"), 1.0)
     if budget is not None:
-        prog.memory_row = prog.row([(c, b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)], -float("inf"), float("inf"))
+        prog.memory_row = prog.row(
+            [(c, b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)], -float("inf"), float("inf")
+        )
         # Cheap rows at every backward node that reads a forward value: owners only
         # (a recomputed fused value lives inside its readers' kernels: only keeping it costs).
         fused = set(problem.fused)
@@ -389,7 +415,11 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
     if cutoff_seconds is not None:
         # Only plans at least as fast as the warm start are of interest.
         slack = 1e-9 * max(1.0, cutoff_seconds / total_seconds)
-        prog.row([(prog.r(v), problem.seconds[v] / total_seconds) for v in rule.relevant], -float("inf"), cutoff_seconds / total_seconds + slack)
+        prog.row(
+            [(prog.r(v), problem.seconds[v] / total_seconds) for v in rule.relevant],
+            -float("inf"),
+            cutoff_seconds / total_seconds + slack,
+        )
     return prog
 
 
@@ -505,7 +535,12 @@ def solve_ilp(
         report_progress(options, rounds, max_rounds, f"ILP round {rounds}: peak {d.peak_bytes}, fits {d.feasible}")
         logger.debug(
             "ilp round %d: status %d, nodes %s, peak %d, recompute %.3gs, feasible %s",
-            rounds, res.status, res.mip_node_count, d.peak_bytes, d.recompute_seconds, d.feasible,
+            rounds,
+            res.status,
+            res.mip_node_count,
+            d.peak_bytes,
+            d.recompute_seconds,
+            d.feasible,
         )
         if d.feasible:
             found = d
@@ -548,5 +583,12 @@ def solve_ilp(
         notes.append(f"heuristic after {EXACT_ROUNDS} rejected plans: the end-of-forward row was lowered")
     if budget is not None and budget < facts.output_bytes:
         notes.append("the forward outputs alone exceed the budget")
-    logger.info("ilp: %d rounds, peak %d, recompute %.3gs, feasible %s, gap %s", rounds, result.peak_bytes, result.recompute_seconds, result.feasible, gap)
+    logger.info(
+        "ilp: %d rounds, peak %d, recompute %.3gs, feasible %s, gap %s",
+        rounds,
+        result.peak_bytes,
+        result.recompute_seconds,
+        result.feasible,
+        gap,
+    )
     return replace(result, solver="ilp", gap=gap, solve_seconds=time.perf_counter() - started, note="; ".join(notes))

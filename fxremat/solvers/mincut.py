@@ -246,7 +246,14 @@ class _Candidates:
             self.deadline.check(f"simulating candidate {len(self.seen) + 1} of the min-cut search ({label})")
             d = schedule.decision(self.problem, key, self.budget, self.solver, note=label)
             self.seen[key] = d
-            logger.debug("%s: %s peak=%d recompute=%.3gs kept=%d", self.solver, label, d.peak_bytes, d.recompute_seconds, len(d.kept))
+            logger.debug(
+                "%s: %s peak=%d recompute=%.3gs kept=%d",
+                self.solver,
+                label,
+                d.peak_bytes,
+                d.recompute_seconds,
+                len(d.kept),
+            )
         return self.seen[key]
 
     def best(self) -> Decision:
@@ -424,7 +431,11 @@ def least_peak_search(
 
 
 def solve_mincut(
-    problem: RematProblem, budget: int | None, options: SolveOptions = SolveOptions(), *, deadline: Deadline | None = None
+    problem: RematProblem,
+    budget: int | None,
+    options: SolveOptions = SolveOptions(),
+    *,
+    deadline: Deadline | None = None,
 ) -> Decision:
     """Choose kept values by a sweep of min cuts, judged by the liveness simulation.
 
@@ -461,7 +472,11 @@ def solve_mincut(
     cands = _Candidates(problem, rule, budget, "mincut", deadline)
     cutter = _Cutter(problem, rule)
     policies = [("save_all", keep_all(problem)), ("inputs only", keep_nothing(problem))]
-    policies.append(("layer inputs", keep_layer_inputs(problem)) if has_layers(problem) else ("sqrt(n) segments", keep_segment_boundaries(problem)))
+    policies.append(
+        ("layer inputs", keep_layer_inputs(problem))
+        if has_layers(problem)
+        else ("sqrt(n) segments", keep_segment_boundaries(problem))
+    )
     for label, kept in policies:
         cands.judge(kept, label)
     variants = _variants(problem, rule)
@@ -476,6 +491,10 @@ def solve_mincut(
         note = f"no cut fits the budget; {how}: {result.note}"
     logger.info(
         "mincut: %d cuts, %d candidates, peak %d, recompute %.3gs, feasible %s",
-        cutter.cuts, len(cands.seen), result.peak_bytes, result.recompute_seconds, result.feasible,
+        cutter.cuts,
+        len(cands.seen),
+        result.peak_bytes,
+        result.recompute_seconds,
+        result.feasible,
     )
     return replace(result, solver="mincut", solve_seconds=time.perf_counter() - started, note=note)

@@ -139,7 +139,9 @@ def keep_segment_boundaries(problem: RematProblem, segments: int | None = None) 
 # --------------------------------------------------------------------------
 
 
-def _policy_decision(problem: RematProblem, kept, budget: int | None, solver: str, started: float, note: str = "") -> Decision:
+def _policy_decision(
+    problem: RematProblem, kept, budget: int | None, solver: str, started: float, note: str = ""
+) -> Decision:
     rule = rules(problem)
     d = schedule.decision(problem, admit(rule, kept), budget, solver, note=note)
     return replace(d, solve_seconds=time.perf_counter() - started)

@@ -92,7 +92,13 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
         notes.append(f"ILP skipped: {forward} forward nodes > {AUTO_ILP_MAX_FORWARD}")
     else:
         exact = solve_ilp(
-            problem, budget, options, warm=cut, deadline=deadline, node_work=AUTO_MILP_NODE_WORK, max_rounds=AUTO_MILP_ROUNDS
+            problem,
+            budget,
+            options,
+            warm=cut,
+            deadline=deadline,
+            node_work=AUTO_MILP_NODE_WORK,
+            max_rounds=AUTO_MILP_ROUNDS,
         )
         if rank(exact) < rank(cut):
             result, name, notes = exact, "auto:ilp", [exact.note]
@@ -103,7 +109,9 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
             notes.append("ILP proved it optimal" if exact.gap == 0.0 else f"ILP found nothing faster ({exact.note})")
         else:
             notes.append(f"ILP found nothing faster ({exact.note})")
-    return replace(result, solver=name, solve_seconds=time.perf_counter() - started, note="; ".join(filter(None, notes)))
+    return replace(
+        result, solver=name, solve_seconds=time.perf_counter() - started, note="; ".join(filter(None, notes))
+    )
 
 
 SOLVERS: MappingProxyType[str, Solver] = MappingProxyType(
@@ -142,7 +150,9 @@ def get_solver(name: str) -> Solver:
         raise ValueError(f"unknown solver {name!r}; choose one of: {', '.join(SOLVERS)}") from None
 
 
-def solve(problem: RematProblem, budget: int | None, solver: str = "auto", options: SolveOptions = SolveOptions()) -> Decision:
+def solve(
+    problem: RematProblem, budget: int | None, solver: str = "auto", options: SolveOptions = SolveOptions()
+) -> Decision:
     """Choose what to keep and what to recompute for ``problem`` under ``budget``.
 
     Args:
@@ -168,5 +178,12 @@ def solve(problem: RematProblem, budget: int | None, solver: str = "auto", optio
     """
     fn = get_solver(solver)
     d = fn(problem, budget, options)
-    logger.debug("solve(%s): peak %d, recompute %.3gs, feasible %s in %.3fs", solver, d.peak_bytes, d.recompute_seconds, d.feasible, d.solve_seconds)
+    logger.debug(
+        "solve(%s): peak %d, recompute %.3gs, feasible %s in %.3fs",
+        solver,
+        d.peak_bytes,
+        d.recompute_seconds,
+        d.feasible,
+        d.solve_seconds,
+    )
     return d

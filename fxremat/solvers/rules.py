@@ -87,7 +87,9 @@ def rules(problem: RematProblem) -> Rules:
         else:
             blocked_by = [u for u in problem.inputs[v] if u in stuck]
             if blocked_by:
-                stuck[v] = f"it reads {problem.names[blocked_by[0]]} (id {blocked_by[0]}), which cannot be recomputed or kept"
+                stuck[v] = (
+                    f"it reads {problem.names[blocked_by[0]]} (id {blocked_by[0]}), which cannot be recomputed or kept"
+                )
     for v in needed:
         if v in stuck:
             raise ValueError(
@@ -98,7 +100,13 @@ def rules(problem: RematProblem) -> Rules:
     free = {v for v in problem.fw_outputs if v in relevant}
     always_keep = frozenset((readers_of_stuck | free) - no_keep)
     no_recompute = frozenset(always_keep | (pinned_by_tag & relevant) | (set(stuck) & relevant))
-    return Rules(needed=needed, relevant=tuple(sorted(relevant)), no_keep=no_keep, always_keep=always_keep, no_recompute=no_recompute)
+    return Rules(
+        needed=needed,
+        relevant=tuple(sorted(relevant)),
+        no_keep=no_keep,
+        always_keep=always_keep,
+        no_recompute=no_recompute,
+    )
 
 
 def admit(rule: Rules, kept) -> tuple[int, ...]:

@@ -236,7 +236,9 @@ def virtual(problem: RematProblem, kept) -> frozenset[int]:
     if not problem.fused:
         return frozenset()
     storage = problem.storage
-    held = {storage[v] for v in kept} | {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
+    held = (
+        {storage[v] for v in kept} | {storage[v] for v in problem.fw_outputs} | {storage[v] for v in problem.bw_outputs}
+    )
     return frozenset(v for v in problem.fused if v not in held)
 
 
@@ -357,7 +359,15 @@ def evaluate(problem: RematProblem, kept) -> tuple[tuple[int, ...], tuple[int, .
     return kept_c, recomputed, peak, sum(problem.seconds[v] for v in recomputed)
 
 
-def decision(problem: RematProblem, kept, budget: int | None, solver: str, solve_seconds: float = 0.0, gap: float | None = None, note: str = "") -> Decision:
+def decision(
+    problem: RematProblem,
+    kept,
+    budget: int | None,
+    solver: str,
+    solve_seconds: float = 0.0,
+    gap: float | None = None,
+    note: str = "",
+) -> Decision:
     """Build a Decision from a kept set: close it, simulate it, judge it against the budget."""
     kept_c, recomputed, peak, seconds = evaluate(problem, kept)
     return Decision(

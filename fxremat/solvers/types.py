@@ -148,14 +148,20 @@ class SolveOptions:
     the solver's own limit (``ilp.MILP_ROUNDS``; ``registry.AUTO_MILP_ROUNDS`` inside ``auto``)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) or not self.time_limit > 0:
+        if (
+            isinstance(self.time_limit, bool)
+            or not isinstance(self.time_limit, (int, float))
+            or not self.time_limit > 0
+        ):
             raise ValueError(
                 f"SolveOptions.time_limit={self.time_limit!r} must be a positive number of seconds (math.inf: no limit)"
             )
         for name in ("milp_nodes", "milp_rounds"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"SolveOptions.{name}={value!r} must be a positive int, or None for the solver's own limit")
+                raise ValueError(
+                    f"SolveOptions.{name}={value!r} must be a positive int, or None for the solver's own limit"
+                )
 
 
 class SolveTimeout(RuntimeError):
