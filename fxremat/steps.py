@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ._torch_compat import FakeTensor
 from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
@@ -67,12 +68,19 @@ _LOCK = threading.Lock()
 _CALLS: list[_Call] = []
 
 
+def _real(t) -> bool:
+    """A tensor with real memory: not fake (DDP's graph splitter runs compiled pieces on fake
+    tensors), not meta, strided."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.layout == torch.strided and not t.is_meta
+
+
 def _bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors``."""
+    """Bytes of the distinct storages of ``tensors`` (real ones)."""
     storages = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+        if _real(t):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -88,7 +96,7 @@ def _leaves(args) -> dict[int, int]:
     return {
         a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
         for a in args
-        if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.layout == torch.strided
+        if _real(a) and a.requires_grad and a.is_leaf
     }
 
 
@@ -239,12 +247,12 @@ def _watch(out, args, graph: _Graph) -> None:
     assert plan is not None
     outputs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
     differentiable = tuple(o for o in outputs if o.requires_grad)
-    if not differentiable:
-        return
-    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.layout == torch.strided}
-    inputs.discard(0)  # storages without memory (meta) alias nothing
+    if not differentiable or not all(_real(o) for o in outputs):
+        return  # a run on fake tensors (DDP's graph splitter propagating shapes) holds no memory
+    inputs = {a.untyped_storage().data_ptr() for a in args if _real(a)}
+    inputs.discard(0)
     # Outputs that alias an input (a parameter's view) hold nothing new.
-    own = [o for o in outputs if o.layout == torch.strided and o.untyped_storage().data_ptr() not in inputs]
+    own = [o for o in outputs if o.untyped_storage().data_ptr() not in inputs]
     call = _Call(plan.graph, plan.saved_bytes, [weakref.ref(o) for o in own], frozenset(_leaves(args)))
     with _LOCK:
         _CALLS.append(call)

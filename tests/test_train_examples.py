@@ -67,7 +67,7 @@ def test_gpt2_budget_runs_small(tmp_path):
     plan = json.loads((plan_dir / "plan.json").read_text())
     assert plan["schema"] == "fxremat.plan/1"
     assert plan["budget"] == budget and plan["predicted_peak"] <= budget
-    assert (plan_dir / "plan.txt").read_text().startswith("graph 0: budget")
+    assert re.match(r"graph \d+: budget", (plan_dir / "plan.txt").read_text())
     assert (plan_dir / "backward.py").stat().st_size > 0
 
 
