@@ -144,6 +144,8 @@ class _Graph:
                 )
                 self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
             self.options = options
+            if self.plan is not None:
+                _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
         assert self.compiled is not None
         out = self.compiled(*args)
         if self.plan is not None and torch.is_grad_enabled():
