@@ -12,7 +12,7 @@ for the same graph and options. Only the forward's user-visible outputs are
 allocated (filled with zeros) so Python code between graphs can go on.
 
 A model too large to build can be planned from fake weights: build it under
-``torch._subclasses.FakeTensorMode()`` (weights and inputs then take no
+a ``FakeTensorMode()`` (PyTorch's fake tensors: weights and inputs then take no
 memory) and call ``explain`` as usual. A model on the ``meta`` device plans
 too, but there PyTorch traces SDPA attention as its math fallback (it saves
 the attention matrix), so fake CPU or CUDA tensors give the faithful plan.
@@ -73,7 +73,7 @@ def _fresh_entry():
     Dynamo caches compiled code on the code object of the frame it compiles. Compiling a
     function whose code object no one else has keeps explain's dry programs out of the
     caches of the user's compiled model (same class, same ``forward``), so explain needs
-    no ``torch._dynamo.reset()`` and the user's compiled functions stay compiled.
+    no reset of Dynamo's caches, and the user's compiled functions stay compiled.
     """
 
     def call(model_or_fn, args):
