@@ -32,8 +32,7 @@ from ._torch_compat import (
 from .budget import BudgetError
 from .options import Options
 from .planner import partition, watch
-from .recorder import plans
-from .steps import track
+from .steps import TrackedGraph, track
 from .verify import input_names, verified
 
 __all__ = ["backend", "fxremat_backend", "FxrematPartitioner", "build_compiler", "eager_compiler"]
@@ -100,7 +99,7 @@ def eager_compiler(gm: fx.GraphModule, example_inputs, **_kwargs) -> Callable:
     return run
 
 
-def build_compiler(options: Options, program_compiler: Callable | None = None) -> Callable:
+def build_compiler(options: Options, program_compiler: Callable | None = None) -> Callable[..., TrackedGraph]:
     """The one compile pipeline, for ``torch.compile`` and ``fxremat.explain`` alike.
 
     Dynamo's graph -> AOTAutograd (joint graph) -> fxremat's planner -> the inner
@@ -118,7 +117,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
         A Dynamo backend ``(gm, example_inputs) -> callable``.
     """
 
-    def compile_graph(gm: fx.GraphModule, example_inputs):
+    def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
         return track(gm, example_inputs, options, compile_planned)
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
@@ -178,9 +177,9 @@ def _compile(gm: fx.GraphModule, example_inputs, options: Options):
     # The reference gets its own copy: compiling may rewrite the graph in place.
     reference_gm = copy.deepcopy(gm)
     names = input_names(gm)
-    count = len(plans())
     compiled = compiler(gm, example_inputs)
-    where = plans()[-1].graph if len(plans()) > count else "a graph with no backward"
+    # The tracked graph knows its plan (counting fxremat.plans() fails once the history is full).
+    where = compiled.plan.graph if compiled.plan is not None else "a graph with no backward"
     return verified(compiled, _compile_reference(reference_gm, example_inputs, options), names, where)
 
 

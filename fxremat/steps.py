@@ -30,7 +30,7 @@ from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
 
-__all__ = ["track", "held", "REPLAN_MIN_SHARE"]
+__all__ = ["track", "held", "TrackedGraph", "REPLAN_MIN_SHARE"]
 
 log = logging.getLogger("fxremat")
 
@@ -100,7 +100,7 @@ def _leaves(args) -> dict[int, int]:
     }
 
 
-class _Graph:
+class TrackedGraph:
     """One compiled graph: its current program and plan, and a re-plan asked for its next call."""
 
     def __init__(self, gm: torch.fx.GraphModule, options: Options, compile_graph: Compile, replannable: bool) -> None:
@@ -153,10 +153,10 @@ class _Graph:
         return out
 
 
-_GRAPHS: "weakref.WeakValueDictionary[str, _Graph]" = weakref.WeakValueDictionary()
+_GRAPHS: "weakref.WeakValueDictionary[str, TrackedGraph]" = weakref.WeakValueDictionary()
 
 
-def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile) -> Callable:
+def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile) -> TrackedGraph:
     """Compile ``gm`` under the budget the running step leaves it, and watch its calls.
 
     Under a budget, what earlier graphs of the running step hold (their saved
@@ -175,7 +175,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     Returns:
         The callable Dynamo runs in place of the graph.
     """
-    graph = _Graph(gm, options, compile_graph, replannable=options.budget is not None)
+    graph = TrackedGraph(gm, options, compile_graph, replannable=options.budget is not None)
     calls = held() if options.budget is not None else []
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
     planned = options
@@ -243,7 +243,7 @@ def _reserve(names, key: frozenset, nbytes: int, user_budget: int, why: str) -> 
             holder.reserve(key, nbytes, user_budget, why)
 
 
-def _watch(out, args, graph: _Graph) -> None:
+def _watch(out, args, graph: TrackedGraph) -> None:
     """Log this call and hook the start of its backward."""
     plan, options = graph.plan, graph.options
     assert plan is not None
