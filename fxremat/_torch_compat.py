@@ -34,6 +34,7 @@ __all__ = [
     "inductor_lowering",
     "inductor_kernel_args",
     "inductor_graph_lowering",
+    "inductor_program_events",
     "tree_leaves",
     "OpOverload",
     "is_op_overload",
@@ -204,3 +205,90 @@ def op_schema(target: object) -> Any:
 def profiler_is_enabled() -> bool:
     """Whether a torch profiler session is running in this process."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def inductor_program_events(
+    gm: torch.fx.GraphModule, *, is_backward: bool, donated: list[int] | None = None
+) -> list[tuple]:
+    """The memory events of the program Inductor generates for ``gm``, in its order.
+
+    Runs what ``compile_fx_inner`` runs up to the Python wrapper (post-grad passes,
+    lowering, fusion, Inductor's memory-aware reordering, in-place and buffer-reuse
+    planning) on a copy of ``gm`` under its fake mode, and stops before any kernel is
+    compiled. The wrapper's planned lines are the allocations the step will make:
+    reading them is the one way to see Inductor's own buffers (the reason for the
+    private imports here).
+
+    Args:
+        gm: a planned forward or backward, as AOTAutograd hands it to Inductor.
+        is_backward: which of the two it is.
+        donated: positions of the backward's placeholders AOTAutograd donates
+            (saved tensors no forward input, user output or gradient shares):
+            Inductor may write into them in place.
+
+    Returns:
+        Plain tuples, in program order:
+        ``("alloc", name, bytes)``, ``("free", name)``, ``("reuse", old, new)``
+        (``new`` takes ``old``'s memory), ``("alias", old, new)`` (``new`` is a view
+        of ``old``), ``("kernel", origin_names)`` (a kernel runs; its fx origins).
+    """
+    import copy
+
+    from torch._guards import detect_fake_mode
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper as w
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+
+    gm = copy.deepcopy(gm)
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = detect_fake_mode(vals)
+    if fake_mode is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    view_to_reshape(gm)
+    events: list[tuple] = []
+
+    def nbytes(node) -> int:
+        layout = node.get_output_spec() if hasattr(node, "get_output_spec") else node.layout
+        if isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)) or node.get_inputs_that_alias_output():
+            return 0
+        size = V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(node), fallback=0)
+        return int(size) * get_dtype_size(node.get_dtype())
+
+    def origins(node) -> tuple[str, ...]:
+        return tuple(sorted(o.name for o in getattr(node, "origins", ()) or ()))
+
+    with DebugContext(), V.set_fake_mode(fake_mode), torch.no_grad():
+        compile_fx._recursive_post_grad_passes(gm, is_inference=False)
+        graph = inductor_graph_lowering(
+            gm, example_inputs=vals, shape_env=fake_mode.shape_env, is_inference=False, is_backward=is_backward
+        )
+        if is_backward:
+            graph.bw_donated_idxs = list(donated or [])
+        with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+            graph.run(*vals)
+            graph.codegen()
+            for line in graph.wrapper_code.lines:
+                if isinstance(line, w.ReuseLine):
+                    events.append(("reuse", line.node.get_name(), line.reused_as.get_name()))
+                elif isinstance(line, w.ReinterpretLine):
+                    events.append(("alias", line.node.get_name(), line.reused_as.get_name()))
+                elif isinstance(line, w.AllocateLine):
+                    events.append(("alloc", line.node.get_name(), nbytes(line.node)))
+                elif isinstance(line, w.FreeIfNotReusedLine):
+                    if not line.is_reused:
+                        events.append(("free", line.node.get_name()))
+                elif isinstance(line, w.FreeLine):
+                    events.append(("free", line.node.get_name()))
+                elif isinstance(line, w.ExternKernelAllocLine):
+                    events.append(("alloc", line.node.get_name(), nbytes(line.node)))
+                    events.append(("kernel", origins(line.node)))
+                elif isinstance(line, w.MultiOutputLine):
+                    events.append(("alloc", line.result_name, nbytes(graph.get_buffer(line.result_name))))
+                elif isinstance(line, w.ExternKernelOutLine):
+                    events.append(("kernel", origins(line.node)))
+                elif isinstance(line, w.KernelCallLine):
+                    events.append(("kernel", ()))
+    return events

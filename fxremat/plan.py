@@ -69,10 +69,10 @@ class Plan:
     Attributes:
         graph: a name for the graph (``"graph 0"``, ...).
         budget: the budget in bytes, or None for the fastest plan.
-        predicted_peak: peak bytes of the step from liveness simulation of the
-            exact forward and backward programs (above the pre-step baseline);
-            under ``inner="inductor"`` the simulation models Inductor's fusion and
-            adds ``planner.INDUCTOR_ALLOWANCE`` (4%) for buffers it adds.
+        predicted_peak: peak bytes of the step (above the pre-step baseline):
+            liveness of the exact forward and backward programs; under
+            ``inner="inductor"`` the replay of the program Inductor generates for
+            them (``passes/inductor_memory.py``).
         saved_bytes: bytes saved from the forward for the backward.
         recompute_flops / recompute_seconds: cost of the recomputation (estimated).
         solver: which solver produced the decision.

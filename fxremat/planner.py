@@ -5,14 +5,17 @@
 - analyse: PyTorch's tag passes, costs, op workspace, Inductor's fusion and
   in-place model, the plain ``RematProblem``;
 - choose: solve, lower the decision to the programs that will run, check them,
-  judge their simulated peak against the budget and tighten the solver's
-  target until it fits; the least-memory plan when nothing does;
+  judge their peak against the budget (under Inductor: the peak of the program
+  Inductor generates for them, ``passes/inductor_memory.py``), and tighten or
+  loosen the solver's target until it fits close under the budget; the
+  least-memory plan when nothing fits;
 - report: the ``Plan``, recorded for ``fxremat.plans()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -28,6 +31,7 @@ from .passes.calibrate import calibrate_costs
 from .hardware import get_hardware
 from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
+from .passes.inductor_memory import predict_step
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize_sizes
@@ -45,19 +49,21 @@ __all__ = [
     "Lowered",
     "Choice",
     "TIGHTEN_ROUNDS",
+    "CLOSE_ENOUGH",
     "INDUCTOR_ALLOWANCE",
     "USER_OUTPUTS",
 ]
 
-# The abstract schedule and the real programs agree up to details the problem does not
-# model (getitem placement, views of graph inputs); a few rounds of tightening the
-# solver's target by the observed excess close that gap.
-TIGHTEN_ROUNDS = 4
-# Under inner="inductor" the simulation counts Inductor's buffers through the fusion
-# model (passes/fusion.py), but Inductor also makes a few buffers the fx programs do not
-# show (layout copies for extern kernels' inputs). The largest excess of a measured peak
-# over the fusion-aware simulation seen on the zoo was 3.0% (transformer, least plan:
-# simulated 925,956 B, measured 953,864 B); predictions add this share on top.
+# The solver searches on its fast abstract model; each candidate is judged on the
+# programs that will run. The two differ (getitem placement, views of graph inputs; under
+# Inductor its fusion, reuse and reordering), so the solver's target is moved by the
+# observed difference: down when the programs peak over the budget, up when they leave
+# more than 1 - CLOSE_ENOUGH of it unused. At most TIGHTEN_ROUNDS candidates are lowered.
+TIGHTEN_ROUNDS = 6
+CLOSE_ENOUGH = 0.97
+# Only when Inductor cannot report its program for a plan (planning falls back to the
+# fusion-aware simulation, with a warning): the largest excess of a measured peak over
+# that simulation seen on the zoo was 3.0%, and predictions add this share on top.
 INDUCTOR_ALLOWANCE = 0.04
 # Key in the forward GraphModule's meta: how many of its outputs the user sees (the
 # rest are saved for the backward). explain's dry compiler reads it.
@@ -90,7 +96,9 @@ class Lowered:
     backward: fx.GraphModule
     simulation: Simulation
     peak: int
-    """Predicted peak: the simulated one, plus ``INDUCTOR_ALLOWANCE`` under Inductor."""
+    """Predicted peak: under Inductor, of the program Inductor generates; else the simulated one."""
+    source: str = "simulation"
+    """Where ``peak`` comes from: "inductor" (its program), "simulation", or "simulation+allowance"."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class Choice:
     note: str
     solve_seconds: float
 
+
+log = logging.getLogger("fxremat")
 
 _WATCHERS: list[list] = []
 
@@ -222,43 +232,88 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
         fusion=analysis.fusion,
         outputs_released=options.release_outputs is True,
     )
-    peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if analysis.fusion else sim.peak
-    return Lowered(decision, fw, bw, sim, peak)
+    if not analysis.fusion:
+        return Lowered(decision, fw, bw, sim, sim.peak)
+    try:
+        step = predict_step(
+            fw, bw, analysis.num_fwd_outputs, analysis.scratch, outputs_released=options.release_outputs is True
+        )
+    except Exception as e:  # noqa: BLE001 - any failure of the dry lowering must not stop training
+        warnings.warn(
+            f"fxremat: Inductor could not report its program for this plan ({type(e).__name__}: {e}); "
+            f"predicting from the fusion-aware simulation plus {INDUCTOR_ALLOWANCE:.0%}",
+            stacklevel=2,
+        )
+        return Lowered(decision, fw, bw, sim, math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)), "simulation+allowance")
+    return Lowered(decision, fw, bw, sim, step.peak, "inductor")
+
+
+def _faster(a: Lowered, b: Lowered) -> bool:
+    """``a`` recomputes less than ``b`` (then: peaks lower)."""
+    return (a.decision.recompute_seconds, a.peak) < (b.decision.recompute_seconds, b.peak)
 
 
 def choose(analysis: Analysis, options: Options, name: str) -> Choice:
-    """Solve, lower and judge until the programs fit; else the least-memory plan (or BudgetError)."""
+    """Solve, lower and judge until the programs fit close under the budget; else the least-memory plan.
+
+    Every candidate is judged by ``lower`` (the programs that will run), never by
+    the solver's own estimate, and the search is bounded by rounds, not time: the
+    same graph and options give the same plan under any load.
+    """
     started = time.perf_counter()
     problem = analysis.graph.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
     fastest = solve(problem, None, "save_all", solve_options)
     budget = options.budget
-    target = None if budget is None else int(budget / (1 + INDUCTOR_ALLOWANCE)) if analysis.fusion else budget
-    lowered: Lowered | None = None
+    if budget is None:
+        lowered = lower(analysis, solve(problem, None, options.solver, solve_options), options)
+        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started)
+    target = budget
+    best: Lowered | None = None
+    least: Lowered | None = None
+    tried: set[int] = set()
+    fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
     for _ in range(TIGHTEN_ROUNDS):
+        tried.add(target)
         decision = solve(problem, target, options.solver, solve_options)
-        if not decision.feasible:
+        if decision.feasible:
+            lowered = lower(analysis, decision, options)
+        else:
+            # Below the solver's least estimate; the least plan's programs may still leave room.
+            if least is None:
+                least = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
+            lowered = least
+        log.debug("fxremat %s: target %d -> programs peak %d (budget %d)", name, target, lowered.peak, budget)
+        if lowered.peak <= budget:
+            if best is None or _faster(lowered, best):
+                best = lowered
+            if lowered.peak >= CLOSE_ENOUGH * budget or not lowered.decision.recomputed:
+                break
+            fits_at = max(fits_at, target, lowered.decision.peak_bytes)
+            # The programs peak lower than the solver's estimate: aim higher.
+            step_to = fits_at + budget - lowered.peak
+        elif lowered is least:
             break
-        lowered = lower(analysis, decision, options)
-        if budget is None or lowered.peak <= budget:
-            return Choice(lowered, fastest, True, decision.note, time.perf_counter() - started)
-        # The real programs peak higher than the abstract schedule said: aim lower.
-        assert target is not None
-        target -= lowered.peak - budget + 1
-        if target <= 0:
+        else:
+            over_at = target if over_at is None else min(over_at, target)
+            # The programs peak higher than the solver's estimate: aim lower.
+            step_to = target - (lowered.peak - budget) - 1
+        # Between a target that fit and one that did not, halve the interval.
+        target = (fits_at + over_at) // 2 if over_at is not None and fits_at else step_to
+        if target <= 0 or target in tried:
             break
-    assert budget is not None  # without a budget the first plan always fits
+    if best is not None:
+        return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
-    lowered = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
-    note = lowered.decision.note
-    fits = lowered.peak <= budget  # the least-memory plan may still fit a budget at its edge
-    if not fits:
-        if options.on_infeasible == "error":
-            raise BudgetError(budget, lowered.peak, where=name)
-        why = (
-            f"budget {format_bytes(budget)} is below the least reachable peak {format_bytes(lowered.peak)}; "
-            "using the least-memory plan (on_infeasible='min')"
-        )
-        warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
-        note = f"{why}; {note}" if note else why
-    return Choice(lowered, fastest, fits, note, time.perf_counter() - started)
+    if least is None:
+        least = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
+    note = least.decision.note
+    if options.on_infeasible == "error":
+        raise BudgetError(budget, least.peak, where=name)
+    why = (
+        f"budget {format_bytes(budget)} is below the least reachable peak {format_bytes(least.peak)}; "
+        "using the least-memory plan (on_infeasible='min')"
+    )
+    warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
+    note = f"{why}; {note}" if note else why
+    return Choice(least, fastest, False, note, time.perf_counter() - started)

@@ -175,7 +175,8 @@ def test_values_counted_as_fused_are_never_buffers_in_inductor(name, monkeypatch
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_inductor_prediction_bounds_the_measured_peak(name, monkeypatch):
-    # When written: mlp exact before the 4% allowance (+4.0% with it); transformer's least
-    # plans simulated -3.0% to +7.4% of measured (+1.1% to +11.7% with the allowance).
+    # The prediction is the replay of Inductor's own program (passes/inductor_memory.py): an
+    # upper bound within the 5%. When written: exact to the byte on both models; with
+    # the fusion-aware simulation and its 4% allowance it was +4.0% (mlp) and up to +11.7%.
     _, _, plan, measured = _compile_and_observe(name, 1, monkeypatch)
-    assert measured <= plan.predicted_peak <= 1.15 * measured, (plan.predicted_peak, measured)
+    assert measured <= plan.predicted_peak <= 1.05 * measured, (plan.predicted_peak, measured)

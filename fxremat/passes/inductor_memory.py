@@ -1,0 +1,166 @@
+"""The step's peak as Inductor will run it: its own programs, buffers and order.
+
+Under ``inner="inductor"`` the programs that run are not the fx graphs the
+planner lowers: Inductor fuses pointwise ops into kernels, writes into dying
+buffers in place, reuses freed buffers, reorders kernels for memory and adds
+layout copies. Rather than imitate those rules, this pass asks Inductor for the
+program it would generate for each planned graph (``_torch_compat.
+inductor_program_events``: lowering, scheduling and wrapper code, no kernel
+compiled) and replays its allocations and frees:
+
+- forward: from the pre-step baseline; its inputs (weights, the batch) are the
+  caller's and never freed; what it returns stays alive;
+- between: the user outputs are dropped when the caller released them; the
+  gradient inputs (tangents) are allocated, and a scalar loss's seed gradient;
+- backward: starts holding the saved storages and the tangents; a saved storage
+  is freed when the program deletes its last reference, unless a forward input
+  or a still-held user output shares it; the gradients it returns stay alive.
+
+Measured op workspace (``passes/scratch.py``) is added while the kernel that
+needs it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._torch_compat import inductor_program_events
+from .problem import is_tangent
+
+__all__ = ["InductorStep", "predict_step", "replay"]
+
+
+@dataclass(frozen=True)
+class InductorStep:
+    """Predicted memory of one step under Inductor (bytes above the pre-step baseline)."""
+
+    peak: int
+    forward_peak: int
+    backward_peak: int
+    held_at_backward: int
+    """Live when the backward starts: saved storages, held outputs, tangents."""
+
+
+def _storage(node) -> tuple[StorageWeakRef, int] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+        return None
+    storage = val.untyped_storage()
+    return StorageWeakRef(storage), int(storage.nbytes())
+
+
+def _outputs(gm: fx.GraphModule) -> list:
+    return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+
+
+def replay(
+    events: list[tuple],
+    inputs: dict[str, tuple[object, int, bool]],
+    start: int,
+    scratch_by_name: dict[str, int],
+) -> tuple[int, int]:
+    """Replay a program's memory events; returns (peak, live at the end).
+
+    Args:
+        events: ``inductor_program_events`` of the program.
+        inputs: input name -> (block key, bytes, freeable). Names sharing a key
+            share one block, freed (when freeable) once all of them are deleted.
+        start: live bytes when the program starts (held inputs included).
+        scratch_by_name: workspace bytes of fx nodes, added while their kernel runs.
+    """
+    refs: dict[object, int] = {}
+    size: dict[object, int] = {}
+    freeable: dict[object, bool] = {}
+    block_of: dict[str, object] = {}
+    for name, (key, nbytes, can_free) in inputs.items():
+        block_of[name] = key
+        refs[key] = refs.get(key, 0) + 1
+        size[key], freeable[key] = nbytes, can_free
+    live = peak = start
+    for event in events:
+        kind = event[0]
+        if kind == "alloc":
+            _, name, nbytes = event
+            key = ("buffer", name)
+            block_of[name], refs[key], size[key], freeable[key] = key, 1, nbytes, True
+            live += nbytes
+        elif kind == "reuse":
+            _, old, new = event
+            if old in block_of:
+                block_of[new] = block_of.pop(old)
+        elif kind == "alias":
+            _, old, new = event
+            if old in block_of:
+                block_of[new] = block_of[old]
+                refs[block_of[new]] += 1
+        elif kind == "free":
+            key = block_of.pop(event[1], None)
+            if key is not None:
+                refs[key] -= 1
+                if refs[key] == 0 and freeable[key]:
+                    live -= size[key]
+        elif kind == "kernel":
+            live_now = live + max((scratch_by_name.get(o, 0) for o in event[1]), default=0)
+            peak = max(peak, live_now)
+        peak = max(peak, live)
+    return peak, live
+
+
+def predict_step(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    scratch_by_name: dict[str, int] | None = None,
+    *,
+    outputs_released: bool = False,
+) -> InductorStep:
+    """The peak of the step Inductor runs for the planned ``fw`` and ``bw``."""
+    scratch = scratch_by_name or {}
+    fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
+    caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
+    fw_events = inductor_program_events(fw, is_backward=False)
+    forward_peak, _ = replay(fw_events, {n.name: (("input", n.name), 0, False) for n in fw_inputs}, 0, scratch)
+
+    outputs = _outputs(fw)
+    by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
+    user: dict[object, int] = {
+        s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller
+    }
+    pinned: dict[object, int] = {} if outputs_released else user
+    held: dict[object, int] = dict(pinned)
+    inputs: dict[str, tuple[object, int, bool]] = {}
+    # AOTAutograd donates the saved tensors no forward input, user output or gradient shares.
+    shared = caller | set(user) | {s[0] for s in map(_storage, _outputs(bw)) if s is not None}
+    donated: list[int] = []
+    for i, ph in enumerate(bw.graph.find_nodes(op="placeholder")):
+        if not is_tangent(ph) and ph.name in by_name:
+            s = _storage(by_name[ph.name])
+            if s is not None and s[0] not in shared:
+                donated.append(i)
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        source = ph if is_tangent(ph) else by_name.get(ph.name, ph)
+        s = _storage(source)
+        if s is None:
+            inputs[ph.name] = (("input", ph.name), 0, False)
+            continue
+        key, nbytes = s
+        if key in caller:
+            inputs[ph.name] = (key, 0, False)
+            continue
+        held[key] = nbytes
+        inputs[ph.name] = (key, nbytes, key not in pinned)
+    # Measured: a step whose loss is a scalar peaks one scalar above the replay, under both
+    # inner compilers (docs/ACCURACY.md's eager rows: +4 B on every row). It is counted as the
+    # seed gradient of ``loss.backward()``, held beside the tangent the backward is given.
+    seeds = 0
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        s = _storage(ph)
+        if is_tangent(ph) and s is not None and ph.meta["val"].dim() == 0:
+            seeds += s[1]
+    start = sum(held.values()) + seeds
+    backward_peak, _ = replay(inductor_program_events(bw, is_backward=True, donated=donated), inputs, start, scratch)
+    return InductorStep(max(forward_peak, backward_peak), forward_peak, backward_peak, start)

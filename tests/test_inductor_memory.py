@@ -1,0 +1,101 @@
+"""The replay of Inductor's program (passes/inductor_memory.py) and the planner's use of it."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fxremat
+from fxremat.passes import inductor_memory
+from fxremat.passes.inductor_memory import replay
+from fxremat.planner import INDUCTOR_ALLOWANCE, watch
+
+
+def test_replay_counts_allocations_frees_and_scratch():
+    events = [
+        ("alloc", "buf0", 100),
+        ("kernel", ("mm_1",)),  # 30 bytes of workspace while it runs
+        ("alloc", "buf1", 50),
+        ("free", "buf0"),
+        ("kernel", ()),
+    ]
+    peak, end = replay(events, {}, 10, {"mm_1": 30})
+    assert (peak, end) == (160, 60)
+
+
+def test_replay_reuse_moves_memory_and_alias_shares_it():
+    events = [
+        ("alloc", "buf0", 100),
+        ("reuse", "buf0", "buf1"),  # buf1 takes buf0's memory: nothing new
+        ("alias", "buf1", "buf2"),  # a view: freed when both names are gone
+        ("free", "buf1"),
+        ("alloc", "buf3", 10),
+        ("free", "buf2"),
+    ]
+    peak, end = replay(events, {}, 0, {})
+    assert (peak, end) == (110, 10)
+
+
+def test_replay_frees_only_freeable_inputs_once_every_name_is_gone():
+    inputs = {
+        "saved_a": ("s", 40, True),  # two names of one donated storage
+        "saved_b": ("s", 40, True),
+        "weight": ("w", 0, False),  # the caller's: never freed
+    }
+    events = [("free", "saved_a"), ("alloc", "buf0", 5), ("free", "weight"), ("free", "saved_b")]
+    peak, end = replay(events, inputs, 40, {})
+    assert (peak, end) == (45, 5)
+
+
+def test_replay_donated_input_reused_in_place_allocates_nothing():
+    inputs = {"saved": ("s", 64, True)}
+    events = [("reuse", "saved", "buf0"), ("kernel", ()), ("free", "buf0")]
+    peak, end = replay(events, inputs, 64, {})
+    assert (peak, end) == (64, 0)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _planned(budget, quiet: bool = True):
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(128, 64)
+    compiled = torch.compile(copy.deepcopy(model), backend=fxremat.backend(budget=budget, on_infeasible="min"))
+    with watch() as planned, warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        compiled(x).backward()
+    return compiled, x, planned
+
+
+def test_prediction_is_inductors_program_and_bounds_the_measured_peak():
+    torch._dynamo.reset()
+    compiled, x, planned = _planned(1)
+    _, choice, plan = planned[-1]
+    assert choice.lowered.source == "inductor"
+    m = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
+    assert m.peak_bytes <= plan.predicted_peak <= 1.05 * m.peak_bytes, (plan.predicted_peak, m.peak_bytes)
+
+
+def test_failed_dry_lowering_falls_back_loudly_to_the_simulation(monkeypatch):
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("lowering exploded")
+
+    monkeypatch.setattr(inductor_memory, "inductor_program_events", broken)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="Inductor could not report its program"):
+        _, _, planned = _planned(None, quiet=False)
+    _, choice, plan = planned[-1]
+    assert choice.lowered.source == "simulation+allowance"
+    assert plan.predicted_peak >= choice.lowered.simulation.peak * (1 + INDUCTOR_ALLOWANCE)
