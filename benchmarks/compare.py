@@ -6,8 +6,10 @@
     python benchmarks/compare.py --render RESULTS.json   # regenerate the docs from a saved run
     python benchmarks/compare.py --row gpt2 fxremat --budget 100000000   # one row, one JSON line
 
-For each model and strategy, one training step (forward returning the loss,
-then backward) is measured in a fresh subprocess, so Dynamo's caches and the
+For each model and strategy, one training step is measured in a fresh
+subprocess. The HF models are compiled whole, as the README's quick start does
+(``torch.compile(model, ...)``, then ``model(input_ids=..., labels=...).loss
+.backward()``), with default options, so Dynamo's caches and the
 allocator's state do not leak from one row into the next:
 
 - peak: ``fxremat.measure``'s peak of live memory the step allocates above the
@@ -16,8 +18,8 @@ allocator's state do not leak from one row into the next:
 - step time: median (and min) wall time of ``--reps`` steps after warm-up;
 - compile: the first call's wall time (compile + one step) minus the median step;
 - for fxremat rows, the sum of the plans' solve times and the largest predicted
-  peak over the plans (a model with graph breaks has one plan per graph, each
-  planned under the whole budget).
+  peak over the plans (a model with graph breaks has one plan per graph; the
+  graphs of one step share the budget).
 
 Strategies: ``eager``; ``checkpoint`` (eager with per-layer
 ``torch.utils.checkpoint``, non-reentrant); ``inductor`` (``torch.compile``
@@ -85,20 +87,25 @@ GRAD_RTOL = 2e-3
 
 @dataclass(frozen=True)
 class Workload:
-    model: object
+    model: object  # what the rows compile: the whole model, as users compile it
     loss: Callable[[object], object]  # compiled-or-not module -> scalar loss
     enable_checkpointing: Callable[[], None]
     description: str
-    inputs: tuple = ()  # what ``model`` takes (HF workloads: the token ids), for fxremat.explain
+    inputs: tuple = ()  # what ``loss_module`` takes (HF workloads: the token ids), for fxremat.explain
+    loss_module: object = None  # a module whose only output is the loss (defaults to ``model``)
+
+    @property
+    def loss_only(self):
+        """The module that returns only the loss, for tools that plan one graph (``fxremat.explain``)."""
+        return self.model if self.loss_module is None else self.loss_module
 
 
 def _hf_workload(model, ids, description: str) -> Workload:
     import torch
 
     class LossOf(torch.nn.Module):
-        """The step's loss as the module's only output. Compiling the HF model itself would
-        return the logits too: AOTAutograd then hands the backward a zero gradient for
-        them (a logits-sized tangent the eager step never allocates)."""
+        """The step's loss as the module's only output, for ``fxremat.explain`` and the
+        tools that plan one graph. The rows compile the HF model itself, as users do."""
 
         def __init__(self, lm):
             super().__init__()
@@ -108,12 +115,13 @@ def _hf_workload(model, ids, description: str) -> Workload:
             return self.lm(input_ids=ids, labels=ids).loss
 
     def loss(m):
-        return m(ids)
+        # The README's quick start: the model compiled whole, the loss taken from its output.
+        return m(input_ids=ids, labels=ids).loss
 
     def ckpt():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    return Workload(LossOf(model), loss, ckpt, description, (ids,))
+    return Workload(model, loss, ckpt, description, (ids,), LossOf(model))
 
 
 def _size(quick: bool, full: dict, small: dict) -> dict:
@@ -364,9 +372,9 @@ def run_row(
             torch._functorch.config.activation_memory_budget = float(strategy.rsplit("_", 1)[1])
         fn = torch.compile(module)
     elif strategy == "fxremat":
-        # Every workload keeps only the loss (HF: ``model(...).loss`` drops the logits),
-        # so the forward's other outputs are gone before the backward runs.
-        options = {"release_outputs": True}
+        # Default options, as users pass them: the HF rows drop the logits (``.loss``), which
+        # fxremat sees on the first backward and plans for (release_outputs is automatic).
+        options: dict = {}
         if budget is not None:
             options.update(budget=budget, on_infeasible=on_infeasible)
         fn = torch.compile(module, backend="fxremat", options=options)
@@ -397,8 +405,10 @@ def run_row(
     row["compile_s"] = max(0.0, row["first_call_s"] - m.step_seconds)
 
     if strategy == "fxremat":
-        plans = fxremat.plans()
+        # The plans the measured step ran (a graph re-planned after the first step counts once, as its newest).
+        plans = fxremat.running_plans()
         row["plans"] = len(plans)
+        row["replanned"] = len(fxremat.plans()) - len(plans)
         row["predicted_peak"] = max((p.predicted_peak for p in plans), default=None)
         row["solve_s"] = sum(p.solve_seconds for p in plans)
         row["feasible"] = all(p.feasible for p in plans)

@@ -18,6 +18,7 @@ from .measure import Measurement, measure
 from .options import Options
 from .plan import Plan
 from .recorder import clear_plans, plans
+from .steps import running_plans
 from .verify import VerificationError
 from .solvers.types import SolveTimeout
 
@@ -34,6 +35,7 @@ __all__ = [
     "Options",
     "Plan",
     "plans",
+    "running_plans",
     "clear_plans",
     "parse_budget",
     "format_bytes",

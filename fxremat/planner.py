@@ -50,6 +50,7 @@ __all__ = [
     "Choice",
     "TIGHTEN_ROUNDS",
     "CLOSE_ENOUGH",
+    "NEGLIGIBLE_RECOMPUTE",
     "INDUCTOR_ALLOWANCE",
     "USER_OUTPUTS",
 ]
@@ -61,6 +62,9 @@ __all__ = [
 # more than 1 - CLOSE_ENOUGH of it unused. At most TIGHTEN_ROUNDS candidates are lowered.
 TIGHTEN_ROUNDS = 6
 CLOSE_ENOUGH = 0.97
+# Loosening stops once a fitting plan's estimated recompute time is below this share of the
+# step's estimated compute: what is left to gain is within timing noise.
+NEGLIGIBLE_RECOMPUTE = 0.01
 # Only when Inductor cannot report its program for a plan (planning falls back to the
 # fusion-aware simulation, with a warning): the largest excess of a measured peak over
 # that simulation seen on the zoo was 3.0%, and predictions add this share on top.
@@ -273,21 +277,29 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     least: Lowered | None = None
     tried: set[int] = set()
     fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
+    negligible = NEGLIGIBLE_RECOMPUTE * sum(problem.seconds)
+    judged: dict[tuple[int, ...], Lowered] = {}  # one dry lowering per distinct kept set
+
+    def judge(decision: Decision) -> Lowered:
+        if decision.kept not in judged:
+            judged[decision.kept] = lower(analysis, decision, options)
+        return judged[decision.kept]
+
     for _ in range(TIGHTEN_ROUNDS):
         tried.add(target)
         decision = solve(problem, target, options.solver, solve_options)
         if decision.feasible:
-            lowered = lower(analysis, decision, options)
+            lowered = judge(decision)
         else:
             # Below the solver's least estimate; the least plan's programs may still leave room.
             if least is None:
-                least = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
+                least = judge(solve(problem, 1, options.solver, solve_options))
             lowered = least
         log.debug("fxremat %s: target %d -> programs peak %d (budget %d)", name, target, lowered.peak, budget)
         if lowered.peak <= budget:
             if best is None or _faster(lowered, best):
                 best = lowered
-            if lowered.peak >= CLOSE_ENOUGH * budget or not lowered.decision.recomputed:
+            if lowered.peak >= CLOSE_ENOUGH * budget or lowered.decision.recompute_seconds <= negligible:
                 break
             fits_at = max(fits_at, target, lowered.decision.peak_bytes)
             # The programs peak lower than the solver's estimate: aim higher.
@@ -306,7 +318,7 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
-        least = lower(analysis, solve(problem, 1, options.solver, solve_options), options)
+        least = judge(solve(problem, 1, options.solver, solve_options))
     note = least.decision.note
     if options.on_infeasible == "error":
         raise BudgetError(budget, least.peak, where=name)

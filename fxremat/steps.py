@@ -30,7 +30,7 @@ from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
 
-__all__ = ["track", "held", "TrackedGraph", "REPLAN_MIN_SHARE"]
+__all__ = ["track", "held", "running_plans", "TrackedGraph", "REPLAN_MIN_SHARE"]
 
 log = logging.getLogger("fxremat")
 
@@ -154,6 +154,25 @@ class TrackedGraph:
 
 
 _GRAPHS: "weakref.WeakValueDictionary[str, TrackedGraph]" = weakref.WeakValueDictionary()
+
+
+def running_plans() -> list[Plan]:
+    """The plan each live compiled graph runs now: a re-planned graph's newest plan, not the first.
+
+    ``fxremat.plans()`` keeps every plan made, including those a re-plan replaced
+    (after the first step showed the outputs dropped, or a later graph's needs);
+    this is what the next step will run, in the order the graphs were first planned.
+
+    Example:
+        >>> loss = compiled(x); loss.backward(); compiled(x).loss.backward()
+        >>> [p.graph for p in fxremat.running_plans()]
+        ['graph 1']
+    """
+    seen: dict[int, TrackedGraph] = {}
+    for graph in list(_GRAPHS.values()):
+        if graph.plan is not None:
+            seen.setdefault(id(graph), graph)
+    return [g.plan for g in seen.values() if g.plan is not None]
 
 
 def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile) -> TrackedGraph:
