@@ -55,7 +55,7 @@ GROUPS = (
     Group(
         "Planning and inspecting",
         "Plan a step without training, read what was kept and recomputed, and explore the memory/time trade-off.",
-        ("explain", "pareto", "ParetoPoint", "Plan", "plans", "clear_plans"),
+        ("explain", "pareto", "ParetoPoint", "Plan", "plans", "running_plans", "clear_plans"),
         ("fxremat.plan:ValueRecord", "fxremat.plan:NodeRecord"),
     ),
     Group(
