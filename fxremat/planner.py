@@ -114,6 +114,8 @@ class Choice:
     fits: bool
     note: str
     solve_seconds: float
+    fastest_peak: int = 0
+    """Predicted peak of the fastest plan's programs (judged like every candidate)."""
 
 
 log = logging.getLogger("fxremat")
@@ -271,7 +273,8 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     budget = options.budget
     if budget is None:
         lowered = lower(analysis, solve(problem, None, options.solver, solve_options), options)
-        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started)
+        fastest_peak = lowered.peak if lowered.decision.kept == fastest.kept else lower(analysis, fastest, options).peak
+        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started, fastest_peak)
     target = budget
     best: Lowered | None = None
     least: Lowered | None = None
@@ -315,7 +318,7 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
         if target <= 0 or target in tried:
             break
     if best is not None:
-        return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started)
+        return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, judge(fastest).peak)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
         least = judge(solve(problem, 1, options.solver, solve_options))
@@ -328,4 +331,4 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     )
     warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
     note = f"{why}; {note}" if note else why
-    return Choice(least, fastest, False, note, time.perf_counter() - started)
+    return Choice(least, fastest, False, note, time.perf_counter() - started, judge(fastest).peak)

@@ -157,11 +157,13 @@ _GRAPHS: "weakref.WeakValueDictionary[str, TrackedGraph]" = weakref.WeakValueDic
 
 
 def running_plans() -> list[Plan]:
-    """The plan each live compiled graph runs now: a re-planned graph's newest plan, not the first.
+    """The plan each compiled graph still alive runs now: a re-planned graph's newest plan, not the first.
 
     ``fxremat.plans()`` keeps every plan made, including those a re-plan replaced
     (after the first step showed the outputs dropped, or a later graph's needs);
     this is what the next step will run, in the order the graphs were first planned.
+    Graphs that are gone (their compiled model deleted and collected) drop out;
+    ``fxremat.explain``'s dry graphs count until they are collected.
 
     Example:
         >>> loss = compiled(x); loss.backward(); compiled(x).loss.backward()

@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._torch_compat import inductor_program_events
 from .problem import is_tangent
+from .simulate import seed_gradient_bytes
 
 __all__ = ["InductorStep", "predict_step", "replay"]
 
@@ -153,14 +154,8 @@ def predict_step(
             continue
         held[key] = nbytes
         inputs[ph.name] = (key, nbytes, key not in pinned)
-    # Measured: a step whose loss is a scalar peaks one scalar above the replay, under both
-    # inner compilers (docs/ACCURACY.md's eager rows: +4 B on every row). It is counted as the
-    # seed gradient of ``loss.backward()``, held beside the tangent the backward is given.
-    seeds = 0
-    for ph in bw.graph.find_nodes(op="placeholder"):
-        s = _storage(ph)
-        if is_tangent(ph) and s is not None and ph.meta["val"].dim() == 0:
-            seeds += s[1]
+    # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
+    seeds = seed_gradient_bytes(bw)
     start = sum(held.values()) + seeds
     backward_peak, _ = replay(inductor_program_events(bw, is_backward=True, donated=donated), inputs, start, scratch)
     return InductorStep(max(forward_peak, backward_peak), forward_peak, backward_peak, start)
