@@ -124,7 +124,7 @@ def write(rows: list[dict], seconds: float) -> None:
         f"{__import__('os').cpu_count()} cores, torch {torch.__version__}).",
         "",
         "Peak of one training step above the pre-step baseline, CPU profiler (`fxremat.measure`), against the",
-        "plan's prediction (liveness of the exact forward and backward programs, with measured op workspace).",
+        "plan's prediction (eager: liveness of the planned fx programs; Inductor: replay of the program it generates).",
         "Budgets: the fastest plan's peak, halfway, and the least reachable peak. Targets: |error| <= 5%",
         "and measured <= budget on every row (measured/budget > 1 is marked **over**).",
         "",
