@@ -111,6 +111,7 @@ class TrackedGraph:
         self.plan: Plan | None = None
         self.pending: Options | None = None
         self.released = False  # re-planned once with the outputs released
+        self.assumed_released = False  # planned with the outputs released before any step showed it
         self.reserved: dict[frozenset, int] = {}
 
     def ask(self, why: str, **changes) -> None:
@@ -201,7 +202,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
     planned = options
     if not holding:
-        graph.compiled, graph.plan = compile_graph(gm, example_inputs, planned)
+        planned = _compile_alone(graph, gm, example_inputs, options)
     else:
         assert options.budget is not None and graph.source is not None
         budget = options.budget
@@ -257,6 +258,43 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     return graph
 
 
+def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:
+    """Compile a graph that runs while nothing else of the step holds memory; returns the options it was planned with.
+
+    Whether the caller keeps the outputs alive through the backward is unknown
+    until the first backward; the plan assumes it does (an upper bound). When a
+    budget is out of reach that way but within reach with the outputs dropped
+    before the backward (the ``model(x).loss`` idiom, ``transformers.Trainer``),
+    the graph is planned for that, and the first backward checks it.
+    """
+    if options.release_outputs is not None or graph.source is None:
+        graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
+        return options
+    try:
+        first = dataclasses.replace(options, on_infeasible="error")
+        graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, first)
+        return options
+    except BudgetError as exc:
+        held_least = exc.least_peak
+    dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
+    try:
+        graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, dropped)
+    except BudgetError:
+        # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
+        graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, options)
+        return options
+    graph.assumed_released = graph.released = True
+    if graph.plan is not None:
+        log.warning(
+            "fxremat %s: with its outputs alive through the backward the least peak is %s, over the budget; "
+            "planned for callers that drop them before backward (as `model(x).loss` does), checked at the "
+            "first backward",
+            graph.plan.graph,
+            format_bytes(held_least),
+        )
+    return dataclasses.replace(options, release_outputs=True)
+
+
 def _reserve(names, key: frozenset, nbytes: int, user_budget: int, why: str) -> None:
     for name in names:
         holder = _GRAPHS.get(name)
@@ -282,6 +320,18 @@ def _watch(out, args, graph: TrackedGraph) -> None:
 
     def backward_started(_grads) -> None:
         call.backward_started = True
+        if graph.assumed_released and options.budget is not None:
+            alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+            if alive >= REPLAN_MIN_SHARE * options.budget:
+                graph.assumed_released = False
+                warnings.warn(
+                    f"fxremat {plan.graph}: the caller keeps {format_bytes(alive)} of outputs alive through the "
+                    f"backward, which this plan took as dropped: this step can peak up to {format_bytes(alive)} "
+                    f"above the budget {format_bytes(options.budget)}; planning it again on its next call",
+                    stacklevel=2,
+                )
+                graph.ask("its outputs stay alive through the backward", release_outputs=False)
+            return
         if options.budget is None or graph.released or options.release_outputs is not None:
             return
         alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])

@@ -117,3 +117,43 @@ def test_explain_plans_a_graph_after_a_break_under_what_the_first_leaves():
         fxremat.explain(Broken(), torch.randn(16, 32), inner="eager", budget="1MiB")
     first, second = fxremat.plans()[-2:]
     assert first.budget == 1 << 20 and second.budget < first.budget
+
+
+def _between_least_plans(model, x) -> int:
+    """A budget only a plan with the outputs dropped before backward reaches."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        held = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min", release_outputs=False)
+        dropped = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min", release_outputs=True)
+    assert dropped.predicted_peak < held.predicted_peak
+    return (dropped.predicted_peak + held.predicted_peak) // 2
+
+
+def test_a_budget_only_dropped_outputs_reach_is_planned_for_them_not_refused():
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    budget = _between_least_plans(base, x)
+    compiled = _compile(copy.deepcopy(base), budget=budget)
+    compiled(x)[0].backward()  # no BudgetError: the `.loss` idiom fits
+    measured = fxremat.measure(lambda: compiled(x)[0].backward(), reps=1, warmup=1)
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+    assert len(fxremat.plans()) == 1
+
+
+def test_outputs_kept_against_that_assumption_warn_and_replan():
+    import pytest
+
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    budget = _between_least_plans(base, x)
+    compiled = _compile(copy.deepcopy(base), budget=budget)
+    loss, logits = compiled(x)
+    with pytest.warns(UserWarning, match="keeps .* of outputs alive through the backward"):
+        loss.backward()
+    del logits
+    with pytest.warns(UserWarning, match="need more than the budget"):
+        loss, logits = compiled(x)  # planned again with the outputs alive: the least plan, loudly
+    loss.backward()
+    assert len(fxremat.plans()) == 2
