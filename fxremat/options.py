@@ -64,8 +64,10 @@ class Options:
     """Whether the caller drops the forward's outputs before the backward (``loss =
     model(x).loss`` drops the logits; so does ``transformers.Trainer``). None (default):
     watch the first step; outputs count as alive until a backward shows they were dropped,
-    then the graph is planned again with them freed when the backward starts. True or
-    False fixes the assumption (True while outputs are held can exceed the budget by
+    then the graph is planned again with them freed when the backward starts. A budget
+    reachable only with them dropped is planned that way at once and checked at the
+    first backward (a warning and a re-plan if they were kept). True or False fixes the
+    assumption (True while outputs are held can exceed the budget by
     their size)."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
