@@ -575,35 +575,41 @@ class Runner:
             if budget < lo:
                 # Below the least reachable predicted peak: fxremat raises BudgetError at compile
                 # time (on_infeasible="error"), so the row is recorded without spending a compile.
-                row = dict(
-                    model=name,
-                    strategy="fxremat",
-                    budget=budget,
-                    on_infeasible="error",
-                    label=label,
-                    role=why,
-                    wall_s=0.0,
-                    infeasible=True,
-                    error=f"infeasible: budget {_mib(budget)} MiB is below the least reachable predicted "
+                self._not_run(
+                    name,
+                    budget,
+                    why,
+                    True,
+                    f"infeasible: budget {_mib(budget)} MiB is below the least reachable predicted "
                     f"peak {_mib(lo)} MiB (BudgetError at compile time; not run)",
                 )
-                self._add(row)
             elif budget >= hi:
-                row = dict(
-                    model=name,
-                    strategy="fxremat",
-                    budget=budget,
-                    on_infeasible="error",
-                    label=label,
-                    role=why,
-                    wall_s=0.0,
-                    infeasible=False,
-                    error=f"not run: budget {_mib(budget)} MiB is at or above the fastest plan's predicted "
+                self._not_run(
+                    name,
+                    budget,
+                    why,
+                    False,
+                    f"not run: budget {_mib(budget)} MiB is at or above the fastest plan's predicted "
                     f"peak {_mib(hi)} MiB, so the plan is the no-budget row's",
                 )
-                self._add(row)
             else:
                 self.row(name, "fxremat", label, budget=budget, role=why)
+
+    def _not_run(self, name: str, budget: int, why: str, infeasible: bool, error: str) -> None:
+        """Record a budget row that is not compiled (its outcome is known from the plans)."""
+        self._add(
+            dict(
+                model=name,
+                strategy="fxremat",
+                budget=budget,
+                on_infeasible="error",
+                label=f"fxremat {_mib(budget)} MiB",
+                role=why,
+                wall_s=0.0,
+                infeasible=infeasible,
+                error=error,
+            )
+        )
 
 
 def _dedup(budgets: list[tuple[int, str]]) -> list[tuple[int, str]]:

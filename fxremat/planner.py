@@ -271,16 +271,6 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     solve_options = SolveOptions(time_limit=options.time_limit)
     fastest = solve(problem, None, "save_all", solve_options)
     budget = options.budget
-    if budget is None:
-        lowered = lower(analysis, solve(problem, None, options.solver, solve_options), options)
-        fastest_peak = lowered.peak if lowered.decision.kept == fastest.kept else lower(analysis, fastest, options).peak
-        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started, fastest_peak)
-    target = budget
-    best: Lowered | None = None
-    least: Lowered | None = None
-    tried: set[int] = set()
-    fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
-    negligible = NEGLIGIBLE_RECOMPUTE * sum(problem.seconds)
     judged: dict[tuple[int, ...], Lowered] = {}  # one dry lowering per distinct kept set
 
     def judge(decision: Decision) -> Lowered:
@@ -288,6 +278,15 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
             judged[decision.kept] = lower(analysis, decision, options)
         return judged[decision.kept]
 
+    if budget is None:
+        lowered = judge(solve(problem, None, options.solver, solve_options))
+        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started, judge(fastest).peak)
+    target = budget
+    best: Lowered | None = None
+    least: Lowered | None = None
+    tried: set[int] = set()
+    fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
+    negligible = NEGLIGIBLE_RECOMPUTE * sum(problem.seconds)
     for _ in range(TIGHTEN_ROUNDS):
         tried.add(target)
         decision = solve(problem, target, options.solver, solve_options)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._torch_compat import inductor_program_events
+from .invariants import outputs_of, storage_of
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
 
@@ -47,15 +47,9 @@ class InductorStep:
 
 
 def _storage(node) -> tuple[StorageWeakRef, int] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
-        return None
-    storage = val.untyped_storage()
-    return StorageWeakRef(storage), int(storage.nbytes())
-
-
-def _outputs(gm: fx.GraphModule) -> list:
-    return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+    """A node's storage and its size in bytes."""
+    key = storage_of(node)
+    return None if key is None else (key, int(node.meta["val"].untyped_storage().nbytes()))
 
 
 def replay(
@@ -126,7 +120,7 @@ def predict_step(
     fw_events = inductor_program_events(fw, is_backward=False)
     forward_peak, _ = replay(fw_events, {n.name: (("input", n.name), 0, False) for n in fw_inputs}, 0, scratch)
 
-    outputs = _outputs(fw)
+    outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
     user: dict[object, int] = {
         s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller
@@ -135,20 +129,17 @@ def predict_step(
     held: dict[object, int] = dict(pinned)
     inputs: dict[str, tuple[object, int, bool]] = {}
     # AOTAutograd donates the saved tensors no forward input, user output or gradient shares.
-    shared = caller | set(user) | {s[0] for s in map(_storage, _outputs(bw)) if s is not None}
+    shared = caller | set(user) | {s[0] for s in map(_storage, outputs_of(bw)) if s is not None}
     donated: list[int] = []
     for i, ph in enumerate(bw.graph.find_nodes(op="placeholder")):
-        if not is_tangent(ph) and ph.name in by_name:
-            s = _storage(by_name[ph.name])
-            if s is not None and s[0] not in shared:
-                donated.append(i)
-    for ph in bw.graph.find_nodes(op="placeholder"):
-        source = ph if is_tangent(ph) else by_name.get(ph.name, ph)
-        s = _storage(source)
+        saved = not is_tangent(ph) and ph.name in by_name
+        s = _storage(by_name[ph.name] if saved else ph)
         if s is None:
             inputs[ph.name] = (("input", ph.name), 0, False)
             continue
         key, nbytes = s
+        if saved and key not in shared:
+            donated.append(i)
         if key in caller:
             inputs[ph.name] = (key, 0, False)
             continue

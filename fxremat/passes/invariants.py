@@ -11,21 +11,23 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["PlanInvariantError", "check_saved_aliases"]
+__all__ = ["PlanInvariantError", "check_saved_aliases", "storage_of", "outputs_of"]
 
 
 class PlanInvariantError(RuntimeError):
     """A planned program pair breaks an invariant the backward relies on (a bug in fxremat)."""
 
 
-def _storage_of(node) -> StorageWeakRef | None:
+def storage_of(node) -> StorageWeakRef | None:
+    """The storage of a node's value (fake tensors share one for views), or None for non-tensors."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
         return None
     return StorageWeakRef(val.untyped_storage())
 
 
-def _outputs(gm: fx.GraphModule) -> list:
+def outputs_of(gm: fx.GraphModule) -> list:
+    """The values a program returns, in order."""
     return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
 
 
@@ -47,17 +49,17 @@ def check_saved_aliases(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
     Raises:
         PlanInvariantError: naming the saved nodes that share a storage.
     """
-    outputs = _outputs(fw)
+    outputs = outputs_of(fw)
     undonated = {
         s
         for s in map(
-            _storage_of, list(fw.graph.find_nodes(op="placeholder")) + outputs[:num_fwd_outputs] + _outputs(bw)
+            storage_of, list(fw.graph.find_nodes(op="placeholder")) + outputs[:num_fwd_outputs] + outputs_of(bw)
         )
         if s is not None
     }
     groups: dict[StorageWeakRef, list[str]] = {}
     for node in outputs[num_fwd_outputs:]:
-        s = _storage_of(node)
+        s = storage_of(node)
         if s is not None and s not in undonated:
             names = groups.setdefault(s, [])
             if node.name not in names:
