@@ -205,6 +205,11 @@ def problems(draw, max_forward: int = 10) -> RematProblem:
             first = draw(st.one_of(st.just(v - 1), st.integers(0, v - 1)))
             inputs = tuple(sorted({first} | draw(st.sets(st.integers(0, v - 1), max_size=1))))
         is_view = bool(inputs) and draw(st.integers(0, 5)) == 0
+        if is_view:
+            # A view reads its base and nothing else, as every aliasing op of AOTAutograd's
+            # functional joint graph does (a two-input "view" made save_all recompute its
+            # second input: a case no real graph has, drawn about once in 20 runs).
+            inputs = inputs[:1]
         fw.append(
             Fw(
                 inputs=inputs,
@@ -444,7 +449,11 @@ def test_no_budget_means_no_recompute(p):
     as views; views cost no time here, as they cost next to none in real graphs.
     """
     views_free = tuple(0.0 if p.storage[v] != v else t for v, t in enumerate(p.seconds))
-    p = replace(p, must_recompute=(), seconds=views_free)
+    # Nothing marks a view as impossible to recompute in a real graph (random and effectful ops
+    # allocate); a view drawn so would have to be saved in place of its owner, which the backward
+    # then recomputes (drawn about once in 20 runs).
+    owners_only = tuple(v for v in p.never_recompute if p.storage[v] == v)
+    p = replace(p, must_recompute=(), seconds=views_free, never_recompute=owners_only)
     assume(valid_rules(p))
     for name in ("auto", "ilp", "mincut", "save_all"):
         d = solve(p, None, name, OPTIONS)
