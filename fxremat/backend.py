@@ -208,7 +208,8 @@ def backend(budget: int | str | None = None, **options: Any) -> Callable:
     Args:
         budget: peak bytes of the step's activations, temporaries and gradients:
             an int, a string with a unit (``"2GiB"``, ``"512MiB"``, ``"1.5GB"``),
-            or None for the fastest plan. ``FXREMAT_BUDGET`` is read when None
+            or None for no budget (the least peak within ``time_slack`` of the fastest
+            plan's estimated time). ``FXREMAT_BUDGET`` is read when None
             and the variable is set.
         **options: ``inner`` ("inductor" or "eager"), ``solver``, ``hardware``,
             ``on_infeasible`` ("error" or "min"), ``on_error`` ("raise" or

@@ -1,7 +1,7 @@
 """Parse and validate memory budgets. Inside fxremat a budget is an int of bytes.
 
 Accepted forms, parsed once at the edge:
-- ``None``: no memory target, the fastest plan;
+- ``None``: no memory target (the least peak within ``time_slack`` of the fastest plan's time);
 - a positive ``int`` number of bytes (``2 * 2**30``);
 - a string with a unit, SI or IEC, case-insensitive: ``"512MiB"``, ``"1.5GB"``,
   ``"2GiB"``, ``"800kB"``, ``"1e9B"``; a bare number string is bytes.

@@ -135,6 +135,7 @@ def _options(args) -> dict:
             ("inner", args.inner),
             ("hardware", args.hardware),
             ("time_limit", args.time_limit),
+            ("time_slack", getattr(args, "time_slack", None)),
         )
         if v is not None
     }
@@ -215,6 +216,12 @@ def _common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--inner", help="compiler of the planned programs: inductor (default) or eager")
     sub.add_argument("--hardware", help="cost-model profile: cpu (default), a100, h100, h200")
     sub.add_argument("--time-limit", type=float, metavar="SECONDS", help="solver time per graph")
+    sub.add_argument(
+        "--time-slack",
+        type=float,
+        metavar="SHARE",
+        help="no budget: estimated step time the plan may add to lower the peak (default 0.02; 0: fastest)",
+    )
     sub.add_argument("--out", metavar="DIR", help="folder to write files into (created if missing)")
     sub.add_argument("-v", "--verbose", action="store_true", help="log fxremat's progress (INFO) to stderr")
 
@@ -239,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--budget",
         metavar="BYTES",
-        help='peak of the step: bytes or "512MiB", "1.5GB", "2GiB", "800kB"; omit for the fastest plan',
+        help='peak of the step: bytes or "512MiB", "1.5GB", "2GiB", "800kB"; omit: the least peak within --time-slack of the fastest plan\'s time',
     )
     explain.add_argument("--full", action="store_true", help="draw every node in graph.dot even in a large graph")
     explain.set_defaults(run=_explain)

@@ -36,7 +36,8 @@ class Options:
     """
 
     budget: int | None = None
-    """Peak bytes of the step's activations, temporaries and gradients; None: fastest plan."""
+    """Peak bytes of the step's activations, temporaries and gradients; None: no budget, the
+    least-peak plan within ``time_slack`` of the fastest plan's estimated step time."""
     inner: Literal["inductor", "eager"] = "inductor"
     """Compiler for the planned forward and backward: Inductor, or eager fx code."""
     solver: str = "auto"
@@ -69,6 +70,11 @@ class Options:
     first backward (a warning and a re-plan if they were kept). True or False fixes the
     assumption (True while outputs are held can exceed the budget by
     their size)."""
+    time_slack: float = 0.02
+    """With no budget: the share of the fastest plan's estimated step time fxremat may add,
+    by recomputing cheap values, to lower the peak; it runs the least-peak plan within it
+    (never one whose predicted peak is above the fastest plan's). 0: the fastest plan.
+    Ignored under a budget, where the fastest plan that fits runs."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
@@ -147,6 +153,12 @@ def _seconds(name: str, value) -> float:
     return float(value)
 
 
+def _share(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name}={value!r} must be a share of the step time between 0 and 1 (0.02 = 2%)")
+    return float(value)
+
+
 def _path(name: str, value) -> str | None:
     if value is None:
         return None
@@ -164,6 +176,7 @@ _VALIDATE = {
     "on_infeasible": _one_of(ON_INFEASIBLE),
     "on_error": _one_of(ON_ERROR),
     "time_limit": _seconds,
+    "time_slack": _share,
     "dump_dir": _path,
     "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
 }

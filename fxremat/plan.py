@@ -68,7 +68,8 @@ class Plan:
 
     Attributes:
         graph: a name for the graph (``"graph 0"``, ...).
-        budget: the budget in bytes, or None for the fastest plan.
+        budget: the budget in bytes, or None (no budget: the least peak within
+            ``time_slack`` of the fastest plan's estimated time).
         predicted_peak: peak bytes of the step (above the pre-step baseline):
             liveness of the exact forward and backward programs; under
             ``inner="inductor"`` the replay of the program Inductor generates for
@@ -141,7 +142,7 @@ class Plan:
             >>> print(plan.summary())  # doctest: +SKIP
             graph 0: budget 2.00 GiB, predicted peak 1.93 GiB, saved 1.20 GiB in 212 values, ...
         """
-        budget = "none (fastest plan)" if self.budget is None else format_bytes(self.budget)
+        budget = "none" if self.budget is None else format_bytes(self.budget)
         return (
             f"{self.graph}: budget {budget}, predicted peak {format_bytes(self.predicted_peak)}, "
             f"saved {format_bytes(self.saved_bytes)} in {len(self.kept)} values, "

@@ -39,7 +39,7 @@ from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
 from .recorder import new_graph_name, record
 from .report import build_plan
-from .solvers.registry import solve
+from .solvers.registry import solve, solve_within
 from .solvers.types import Decision, SolveOptions
 
 __all__ = [
@@ -259,6 +259,31 @@ def _faster(a: Lowered, b: Lowered) -> bool:
     return (a.decision.recompute_seconds, a.peak) < (b.decision.recompute_seconds, b.peak)
 
 
+def _no_budget(analysis: Analysis, options: Options, fastest: Decision, judge, started: float) -> Choice:
+    """The least-peak plan within ``options.time_slack`` of the fastest plan's estimated step time.
+
+    The search runs on the solver's model; the plan it finds and the fastest plan are
+    both judged on the programs that will run, and the one with the lower peak runs
+    (the fastest on a tie): no budget never peaks above the fastest plan.
+    """
+    problem = analysis.graph.problem
+    solve_options = SolveOptions(time_limit=options.time_limit)
+    quickest = judge(solve(problem, None, options.solver, solve_options))
+    slack = options.time_slack * (sum(problem.seconds) + quickest.decision.recompute_seconds)
+    lowered, note = quickest, quickest.decision.note
+    if slack > 0:
+        lean = judge(solve_within(problem, slack, options.solver, solve_options, quickest.decision))
+        if lean.peak < quickest.peak:
+            lowered = lean
+            note = (
+                f"no budget: the least peak within {options.time_slack:.0%} of the fastest plan's estimated "
+                f"step time ({format_bytes(quickest.peak)} -> {format_bytes(lean.peak)}, "
+                f"+{lean.decision.recompute_seconds * 1e3:.3g} ms recompute)"
+            )
+            note = "; ".join(filter(None, [note, lean.decision.note]))
+    return Choice(lowered, fastest, True, note, time.perf_counter() - started, judge(fastest).peak)
+
+
 def choose(analysis: Analysis, options: Options, name: str) -> Choice:
     """Solve, lower and judge until the programs fit close under the budget; else the least-memory plan.
 
@@ -279,8 +304,7 @@ def choose(analysis: Analysis, options: Options, name: str) -> Choice:
         return judged[decision.kept]
 
     if budget is None:
-        lowered = judge(solve(problem, None, options.solver, solve_options))
-        return Choice(lowered, fastest, True, lowered.decision.note, time.perf_counter() - started, judge(fastest).peak)
+        return _no_budget(analysis, options, fastest, judge, started)
     target = budget
     best: Lowered | None = None
     least: Lowered | None = None

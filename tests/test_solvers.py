@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from fxremat.solvers import SOLVERS, get_solver, schedule, solve
 from fxremat.solvers.ilp import solve_ilp
 from fxremat.solvers.mincut import solve_mincut
+from fxremat.solvers.registry import WITHIN_RESOLUTION, WITHIN_ROUNDS, solve_within
 from fxremat.solvers.policies import keep_layer_inputs, solve_per_layer, solve_sqrt_n
 from fxremat.solvers.rules import rules
 from fxremat.solvers.types import BACKWARD, FORWARD, Decision, RematProblem, SolveOptions
@@ -438,6 +439,34 @@ def test_solvers_are_deterministic(p, data):
     budget = data.draw(st.one_of(st.none(), st.integers(0, 60)))
     for name in ("auto", "ilp", "mincut"):
         assert same(solve(p, budget, name, OPTIONS), solve(p, budget, name, OPTIONS))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_solve_within_finds_the_least_peak_within_the_slack(p, data):
+    """Exact with the ILP once its bisection has narrowed the peak to WITHIN_RESOLUTION."""
+    assume(valid_rules(p))
+    truth = brute_force(p)
+    slack = data.draw(st.sampled_from(sorted({s for _, _, s in truth.plans} | {0.0})))
+    fastest = solve(p, None, "ilp", OPTIONS)
+    d = solve_within(p, slack, "ilp", OPTIONS, fastest)
+    assert_valid(p, d)
+    assert d.peak_bytes <= fastest.peak_bytes
+    if slack <= fastest.recompute_seconds:
+        assert d == fastest
+        return
+    assert d.recompute_seconds <= slack + 1e-12
+    best = min(peak for _, peak, s in truth.plans if s <= slack + 1e-12)
+    least = solve(p, 1, "ilp", OPTIONS).peak_bytes
+    resolution = max(1, int(WITHIN_RESOLUTION * fastest.peak_bytes))
+    if fastest.peak_bytes - least <= resolution << WITHIN_ROUNDS:  # the bisection converged
+        assert d.peak_bytes <= best + resolution - 1
+    for name in ("auto", "mincut"):  # heuristics: within the slack, never above the fastest plan
+        h = solve_within(p, slack, name, OPTIONS)
+        assert_valid(p, h)
+        assert h.recompute_seconds <= max(slack, solve(p, None, name, OPTIONS).recompute_seconds) + 1e-12
+        assert h.peak_bytes <= solve(p, None, name, OPTIONS).peak_bytes
+        assert same(h, solve_within(p, slack, name, OPTIONS))
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
