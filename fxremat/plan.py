@@ -127,6 +127,9 @@ class Plan:
     """Parameters, buffers and inputs the graph reads: they exist before the step."""
     largest: tuple[str, str, int] = ("", "", 0)
     """(name, module, bytes) of the largest tensor the step allocates (logits, for a language model)."""
+    released_peak: int = 0
+    """Predicted peak of the same programs when the caller drops the forward's outputs before the
+    backward (``model(x).loss``); equal to ``predicted_peak`` when the plan assumed that."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: RematProblem | None = field(default=None, repr=False, compare=False)

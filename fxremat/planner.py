@@ -103,6 +103,8 @@ class Lowered:
     """Predicted peak: under Inductor, of the program Inductor generates; else the simulated one."""
     source: str = "simulation"
     """Where ``peak`` comes from: "inductor" (its program), "simulation", or "simulation+allowance"."""
+    other_peak: int = 0
+    """Under Inductor: the peak with the other assumption about the outputs (``InductorStep.other_peak``)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,14 @@ def partition(
     name = new_graph_name()
     analysis = analyse(joint, info, options, num_fwd_outputs, recomputes_rng)
     choice = choose(analysis, options, name)
-    plan = build_plan(name, analysis, choice, options, total_seconds=time.perf_counter() - started)
+    plan = build_plan(
+        name,
+        analysis,
+        choice,
+        options,
+        total_seconds=time.perf_counter() - started,
+        released_peak=released_peak(analysis, choice.lowered, options),
+    )
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -251,7 +260,24 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
             stacklevel=2,
         )
         return Lowered(decision, fw, bw, sim, math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)), "simulation+allowance")
-    return Lowered(decision, fw, bw, sim, step.peak, "inductor")
+    return Lowered(decision, fw, bw, sim, step.peak, "inductor", step.other_peak)
+
+
+def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int:
+    """The predicted peak of ``lowered``'s programs when the caller drops the outputs before the backward."""
+    if options.release_outputs is True:
+        return lowered.peak
+    if lowered.source == "inductor":
+        return lowered.other_peak
+    sim = simulate(
+        lowered.forward,
+        lowered.backward,
+        analysis.num_fwd_outputs,
+        analysis.scratch,
+        fusion=analysis.fusion,
+        outputs_released=True,
+    )
+    return math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if lowered.source == "simulation+allowance" else sim.peak
 
 
 def _faster(a: Lowered, b: Lowered) -> bool:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["build_plan"]
 
 
-def build_plan(name: str, analysis: Analysis, choice: Choice, options: Options, total_seconds: float) -> Plan:
+def build_plan(
+    name: str, analysis: Analysis, choice: Choice, options: Options, total_seconds: float, released_peak: int = 0
+) -> Plan:
     """The Plan for graph ``name``: what is kept and recomputed, the predicted timeline, the anatomy."""
     pg, costs = analysis.graph, analysis.costs
     lowered = choice.lowered
@@ -29,6 +31,7 @@ def build_plan(name: str, analysis: Analysis, choice: Choice, options: Options, 
         graph=name,
         budget=options.budget,
         predicted_peak=lowered.peak,
+        released_peak=released_peak or lowered.peak,
         saved_bytes=sim.saved_bytes,
         recompute_flops=sum(r.flops for r in recomputed),
         recompute_seconds=decision.recompute_seconds,

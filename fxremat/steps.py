@@ -332,7 +332,10 @@ def _watch(out, args, graph: TrackedGraph) -> None:
                 )
                 graph.ask("its outputs stay alive through the backward", release_outputs=False)
             return
-        if options.budget is None or graph.released or options.release_outputs is not None:
+        if graph.released or options.release_outputs is not None:
+            return
+        if options.budget is None:
+            _note_released(graph, plan, call)
             return
         alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
         released = plan.output_bytes - alive
@@ -344,3 +347,28 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             )
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+
+
+def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
+    """No budget: outputs dropped before the backward change the prediction, not the plan (no recompile).
+
+    The running plan's ``predicted_peak`` becomes its ``released_peak`` (the same
+    programs replayed with the outputs freed when the backward starts).
+    """
+    alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+    if plan.output_bytes - alive < REPLAN_MIN_SHARE * max(1, plan.predicted_peak):
+        return
+    graph.released = True
+    graph.plan = dataclasses.replace(
+        plan,
+        predicted_peak=plan.released_peak,
+        note="; ".join(
+            filter(None, [plan.note, "the caller drops the outputs before the backward: predicted with them freed"])
+        ),
+    )
+    log.info(
+        "fxremat %s: the caller dropped its outputs before the backward; predicted peak %s -> %s (same plan)",
+        plan.graph,
+        format_bytes(plan.predicted_peak),
+        format_bytes(plan.released_peak),
+    )

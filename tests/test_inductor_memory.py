@@ -11,7 +11,7 @@ import torch
 import fxremat
 from fxremat.passes import inductor_memory
 from fxremat.passes.inductor_memory import replay
-from fxremat.planner import INDUCTOR_ALLOWANCE, watch
+from fxremat.planner import INDUCTOR_ALLOWANCE, lower, watch
 
 
 def test_replay_counts_allocations_frees_and_scratch():
@@ -99,3 +99,12 @@ def test_failed_dry_lowering_falls_back_loudly_to_the_simulation(monkeypatch):
     _, choice, plan = planned[-1]
     assert choice.lowered.source == "simulation+allowance"
     assert plan.predicted_peak >= choice.lowered.simulation.peak * (1 + INDUCTOR_ALLOWANCE)
+
+
+def test_one_lowering_predicts_the_step_with_the_outputs_held_and_released():
+    torch._dynamo.reset()
+    _, _, planned = _planned(None)
+    analysis, choice, plan = planned[-1]
+    released = lower(analysis, choice.lowered.decision, fxremat.Options(release_outputs=True))
+    assert released.peak == choice.lowered.other_peak == plan.released_peak
+    assert released.other_peak == choice.lowered.peak == plan.predicted_peak

@@ -66,6 +66,21 @@ def test_dropped_outputs_are_planned_as_released_from_the_next_call(recwarn):
     assert len(fxremat.plans()) == 2  # once
 
 
+def test_no_budget_outputs_dropped_correct_the_prediction_without_a_recompile():
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    compiled = _compile(copy.deepcopy(base))
+    compiled(x)[0].backward()  # the logits are dropped before backward
+    first = fxremat.plans()[-1]
+    running = fxremat.running_plans()[-1]
+    assert len(fxremat.plans()) == 1  # no re-plan, no recompile
+    assert running.kept == first.kept and running.released_peak == first.released_peak
+    assert running.predicted_peak == first.released_peak < first.predicted_peak
+    assert "drops the outputs" in running.note
+    measured = fxremat.measure(lambda: compiled(x)[0].backward(), reps=1)
+    assert abs(measured.peak_bytes - running.predicted_peak) <= 64, (measured.peak_bytes, running.predicted_peak)
+
+
 def test_outputs_held_through_backward_keep_the_first_plan():
     torch.manual_seed(0)
     base, x = WithLogits(), torch.randn(256, 64)

@@ -44,6 +44,9 @@ class InductorStep:
     backward_peak: int
     held_at_backward: int
     """Live when the backward starts: saved storages, held outputs, tangents."""
+    other_peak: int = 0
+    """The step's peak under the other assumption about the outputs (held if ``peak`` took
+    them as released, released if held): the same programs, replayed once more."""
 
 
 def _storage(node) -> tuple[StorageWeakRef, int] | None:
@@ -125,28 +128,50 @@ def predict_step(
     user: dict[object, int] = {
         s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller
     }
-    pinned: dict[object, int] = {} if outputs_released else user
-    held: dict[object, int] = dict(pinned)
-    inputs: dict[str, tuple[object, int, bool]] = {}
     # AOTAutograd donates the saved tensors no forward input, user output or gradient shares.
     shared = caller | set(user) | {s[0] for s in map(_storage, outputs_of(bw)) if s is not None}
-    donated: list[int] = []
-    for i, ph in enumerate(bw.graph.find_nodes(op="placeholder")):
+    donated = [
+        i
+        for i, ph in enumerate(bw.graph.find_nodes(op="placeholder"))
+        if not is_tangent(ph)
+        and ph.name in by_name
+        and (s := _storage(by_name[ph.name])) is not None
+        and s[0] not in shared
+    ]
+    bw_events = inductor_program_events(bw, is_backward=True, donated=donated)
+    # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
+    seeds = seed_gradient_bytes(bw)
+    steps = {}
+    for released in (outputs_released, not outputs_released):
+        inputs, start = _backward_inputs(bw, by_name, caller, {} if released else user, seeds)
+        steps[released] = (replay(bw_events, inputs, start, scratch)[0], start)
+    backward_peak, start = steps[outputs_released]
+    return InductorStep(
+        max(forward_peak, backward_peak),
+        forward_peak,
+        backward_peak,
+        start,
+        max(forward_peak, steps[not outputs_released][0]),
+    )
+
+
+def _backward_inputs(bw: fx.GraphModule, by_name: dict, caller: set, pinned: dict, seeds: int):
+    """The backward's inputs for ``replay`` (storage key, bytes, freed at its last use) and the bytes live at its start.
+
+    ``pinned``: the user outputs' storages the caller holds through the backward (never freed by it).
+    """
+    held: dict[object, int] = dict(pinned)
+    inputs: dict[str, tuple[object, int, bool]] = {}
+    for ph in bw.graph.find_nodes(op="placeholder"):
         saved = not is_tangent(ph) and ph.name in by_name
         s = _storage(by_name[ph.name] if saved else ph)
         if s is None:
             inputs[ph.name] = (("input", ph.name), 0, False)
             continue
         key, nbytes = s
-        if saved and key not in shared:
-            donated.append(i)
         if key in caller:
             inputs[ph.name] = (key, 0, False)
             continue
         held[key] = nbytes
         inputs[ph.name] = (key, nbytes, key not in pinned)
-    # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
-    seeds = seed_gradient_bytes(bw)
-    start = sum(held.values()) + seeds
-    backward_peak, _ = replay(inductor_program_events(bw, is_backward=True, donated=donated), inputs, start, scratch)
-    return InductorStep(max(forward_peak, backward_peak), forward_peak, backward_peak, start)
+    return inputs, sum(held.values()) + seeds
