@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import fxremat
+from fxremat.backend import _compile_reference
 
 from checks import compare
 
@@ -54,14 +55,51 @@ def test_no_budget_recomputes_cheap_values_within_the_slack_and_peaks_lower():
     plan = fxremat.plans()[-1]
     assert plan.budget is None and plan.problem is not None
     step_seconds = sum(plan.problem.seconds)
-    assert 0 < plan.recompute_seconds <= 0.02 * step_seconds * 1.001
+    assert plan.recompute_seconds > 0 and plan.note.startswith("no budget: ")
+    if "only pointwise ops" in plan.note:  # as much pointwise work as PyTorch's own partition recomputes
+        assert {r.op for r in plan.recomputed} <= {"aten.mul", "aten.add", "aten.erf", "aten.sub", "aten.rsqrt"}
+    elif "PyTorch's own partition" not in plan.note:
+        assert plan.recompute_seconds <= 0.02 * step_seconds * 1.001
     # GELU and LayerNorm outputs are cheap to recompute from the Linear outputs kept anyway.
     assert plan.predicted_peak <= 0.9 * plan.fastest_peak, plan
-    assert "within 2% of the fastest plan" in plan.note
     measured = fxremat.measure(lambda: _step(compiled, x).backward(), reps=1).peak_bytes
     assert measured <= plan.predicted_peak + 64  # the eager programs' prediction is exact
     eager = fxremat.measure(lambda: _step(ref, x).backward(), reps=1).peak_bytes
     assert measured < eager
+
+
+def _pytorch_partition(gm, example_inputs):
+    """Plain torch.compile's partition, with the same eager programs fxremat's inner="eager" runs."""
+    return _compile_reference(gm, example_inputs, fxremat.Options(inner="eager"))
+
+
+class _Wide(nn.Module):
+    """Pointwise-heavy blocks (tanh-GELU, SiLU gates): PyTorch's min-cut recomputes much of them."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(4))
+        self.b = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        for a, b in zip(self.a, self.b):
+            u, v = a(x).chunk(2, dim=-1)
+            x = x + b(torch.nn.functional.gelu(u, approximate="tanh") * torch.nn.functional.silu(v))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("build", [_mlp, _Wide])
+def test_no_budget_peaks_no_higher_than_pytorchs_own_partition(build):
+    torch.manual_seed(0)
+    base, x = build(), torch.randn(512, 128 if build is _Wide else 256)
+    peaks = []
+    for backend in (fxremat.backend(inner="eager"), _pytorch_partition):
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(base), backend=backend)
+        compiled(x).backward()
+        peaks.append(fxremat.measure(lambda: compiled(x).backward(), reps=1).peak_bytes)
+    ours, theirs = peaks
+    assert ours <= theirs, (ours, theirs)
 
 
 def test_zero_slack_is_the_fastest_plan():

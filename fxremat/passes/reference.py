@@ -1,0 +1,77 @@
+"""PyTorch's own partition of a joint graph: what plain ``torch.compile`` would save for the backward.
+
+With no budget, the planner judges this kept set beside its own plans, so that
+the default is never worse in memory than what users already have: PyTorch's
+min-cut partitioner recomputes the cheap fusible values it can (Inductor runs
+them inside the backward's kernels), which a plan chosen only within a time
+slack may not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch.fx as fx
+
+from .._torch_compat import min_cut_partition
+from .cost import NodeCost
+from .opinfo import is_tagged_pointwise, is_view
+from .problem import ProblemGraph
+from ..solvers.schedule import decision
+from ..solvers.types import FORWARD, Decision, RematProblem
+
+__all__ = ["pytorch_saved", "as_decision", "pointwise_only"]
+
+log = logging.getLogger("fxremat")
+
+
+def _copy(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``joint`` with its own nodes (meta shared): PyTorch's partitioner edits the graph it gets."""
+    graph = fx.Graph()
+    out = graph.graph_copy(joint.graph, {})
+    graph.output(out)
+    return fx.GraphModule(joint, graph)
+
+
+def pytorch_saved(
+    joint: fx.GraphModule, joint_inputs, num_fwd_outputs: int, static_lifetime_input_indices: list[int]
+) -> tuple[str, ...] | None:
+    """Names of the joint-graph values PyTorch's min-cut partitioner saves for the backward; None if it fails."""
+    try:
+        fw, _ = min_cut_partition(
+            _copy(joint),
+            joint_inputs,
+            compiler="inductor",
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+    except Exception as exc:  # noqa: BLE001 - a reference only: planning goes on without it
+        log.debug("fxremat: PyTorch's partition of this graph failed (%s: %s)", type(exc).__name__, exc)
+        return None
+    output = next(iter(fw.graph.find_nodes(op="output")))
+    saved = output.args[0][num_fwd_outputs:]
+    return tuple(n.name for n in saved if isinstance(n, fx.Node))
+
+
+def as_decision(graph: ProblemGraph, names: tuple[str, ...]) -> Decision:
+    """The kept set of those names in the planner's problem, closed and simulated."""
+    problem = graph.problem
+    wanted = set(names)
+    kept = [i for i, n in enumerate(graph.nodes) if n.name in wanted and problem.phase[i] == FORWARD]
+    return decision(problem, kept, None, "pytorch:mincut", note="PyTorch's own partition (plain torch.compile's)")
+
+
+def pointwise_only(graph: ProblemGraph, costs: dict[fx.Node, NodeCost]) -> RematProblem:
+    """The problem with every forward value but pointwise ops and views kept: the class of work
+    PyTorch's partitioner recomputes, which Inductor runs inside the backward's kernels."""
+    problem = graph.problem
+    heavy = {
+        i
+        for i, n in enumerate(graph.nodes)
+        if problem.phase[i] == FORWARD
+        and n.op == "call_function"
+        and not is_tagged_pointwise(n)
+        and not is_view(n, costs)
+    }
+    return replace(problem, never_recompute=tuple(sorted(heavy | set(problem.never_recompute))))
