@@ -53,6 +53,7 @@ __all__ = [
     "CLOSE_ENOUGH",
     "NEGLIGIBLE_RECOMPUTE",
     "INDUCTOR_ALLOWANCE",
+    "NO_BUDGET_MIN_GAIN",
     "USER_OUTPUTS",
 ]
 
@@ -70,6 +71,9 @@ NEGLIGIBLE_RECOMPUTE = 0.01
 # fusion-aware simulation, with a warning): the largest excess of a measured peak over
 # that simulation seen on the zoo was 3.0%, and predictions add this share on top.
 INDUCTOR_ALLOWANCE = 0.04
+# With no budget, a candidate plan is lowered and judged only when the solver's model puts
+# it at least this share below the fastest plan's peak.
+NO_BUDGET_MIN_GAIN = 0.02
 # Key in the forward GraphModule's meta: how many of its outputs the user sees (the
 # rest are saved for the backward). explain's dry compiler reads it.
 USER_OUTPUTS = "fxremat_num_user_outputs"
@@ -318,22 +322,27 @@ def _no_budget(
             quickest, fastest, True, quickest.decision.note, time.perf_counter() - started, judge(fastest).peak
         )
     within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"
-    lean = judge(solve_within(problem, slack, options.solver, solve_options, quickest.decision))
-    candidates = [(quickest, ""), (lean, f"the least peak {within}")]
+    found = [
+        (solve_within(problem, slack, options.solver, solve_options, quickest.decision), f"the least peak {within}")
+    ]
     if reference is not None:
-        theirs = judge(as_decision(analysis.graph, reference))
-        candidates.append((theirs, f"PyTorch's own partition (plain torch.compile's), below the least peak {within}"))
-        if theirs.decision.recompute_seconds > slack:
+        theirs = as_decision(analysis.graph, reference)
+        found.append((theirs, f"PyTorch's own partition (plain torch.compile's), below the least peak {within}"))
+        if theirs.recompute_seconds > slack:
             # As much pointwise recompute as PyTorch's partition does, placed by fxremat's memory model.
             cheap = pointwise_only(analysis.graph, analysis.costs)
-            budgeted = theirs.decision.recompute_seconds
-            candidates.append(
+            budgeted = theirs.recompute_seconds
+            found.append(
                 (
-                    judge(solve_within(cheap, budgeted, options.solver, solve_options)),
+                    solve_within(cheap, budgeted, options.solver, solve_options),
                     f"the least peak recomputing only pointwise ops and views, within PyTorch's own partition's "
                     f"estimated recompute ({budgeted * 1e3:.3g} ms)",
                 )
             )
+    # Each lowering costs a dry Inductor compile: candidates that barely lower the solver's
+    # estimate are not worth one (on small graphs, the common case, none is).
+    worth = (1 - NO_BUDGET_MIN_GAIN) * quickest.decision.peak_bytes
+    candidates = [(quickest, "")] + [(judge(d), why) for d, why in found if d.peak_bytes < worth]
     lowered, why = min(candidates, key=lambda c: (c[0].peak, c[0].decision.recompute_seconds))
     note = lowered.decision.note
     if lowered is not quickest:
