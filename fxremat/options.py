@@ -74,8 +74,9 @@ class Options:
     """With no budget: the share of the fastest plan's estimated step time fxremat may add,
     by recomputing cheap values, to lower the peak. The plan that runs is the lowest peak
     of: the fastest plan, the least peak within this slack, PyTorch's own partition, and
-    pointwise-only recompute up to that partition's time (docs/CONCEPTS.md). 0: the
-    fastest plan. Ignored under a budget, where the fastest plan that fits runs."""
+    pointwise-only recompute up to that partition's time, when they gain at least 2% and
+    1 MiB (docs/CONCEPTS.md). 0: the fastest plan. Ignored under a budget, where the
+    fastest plan that fits runs."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs

@@ -35,7 +35,7 @@ from .passes.inductor_memory import predict_step
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize_sizes
-from .passes.reference import as_decision, pointwise_only, pytorch_saved
+from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
 from .recorder import new_graph_name, record
@@ -54,6 +54,7 @@ __all__ = [
     "NEGLIGIBLE_RECOMPUTE",
     "INDUCTOR_ALLOWANCE",
     "NO_BUDGET_MIN_GAIN",
+    "NO_BUDGET_MIN_GAIN_BYTES",
     "USER_OUTPUTS",
 ]
 
@@ -72,8 +73,9 @@ NEGLIGIBLE_RECOMPUTE = 0.01
 # that simulation seen on the zoo was 3.0%, and predictions add this share on top.
 INDUCTOR_ALLOWANCE = 0.04
 # With no budget, a candidate plan is lowered and judged only when the solver's model puts
-# it at least this share below the fastest plan's peak.
+# it at least this share, and this many bytes, below the fastest plan's peak.
 NO_BUDGET_MIN_GAIN = 0.02
+NO_BUDGET_MIN_GAIN_BYTES = 1 << 20
 # Key in the forward GraphModule's meta: how many of its outputs the user sees (the
 # rest are saved for the backward). explain's dry compiler reads it.
 USER_OUTPUTS = "fxremat_num_user_outputs"
@@ -179,7 +181,7 @@ def partition(
     reference = None
     if options.budget is None and options.time_slack > 0:
         # What plain torch.compile would save: a no-budget candidate (before prepare_joint edits the graph).
-        reference = pytorch_saved(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
+        reference = Reference(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
     joint, recomputes_rng = prepare_joint(joint)
     info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
     if len(info.required_bw_nodes) == 0:
@@ -295,7 +297,7 @@ def _faster(a: Lowered, b: Lowered) -> bool:
 
 
 def _no_budget(
-    analysis: Analysis, options: Options, fastest: Decision, judge, started: float, reference: tuple[str, ...] | None
+    analysis: Analysis, options: Options, fastest: Decision, judge, started: float, reference: Reference | None
 ) -> Choice:
     """The least-peak plan within the time slack: never above the fastest plan's peak, nor PyTorch's own.
 
@@ -317,7 +319,11 @@ def _no_budget(
     solve_options = SolveOptions(time_limit=options.time_limit)
     quickest = judge(solve(problem, None, options.solver, solve_options))
     slack = options.time_slack * (sum(problem.seconds) + quickest.decision.recompute_seconds)
-    if slack <= 0:
+    # Each lowering costs a dry Inductor compile: candidates that barely lower the solver's
+    # estimate are not worth one (small graphs, whose plans differ by kilobytes, get none).
+    floor = NO_BUDGET_MIN_GAIN_BYTES
+    worth = min((1 - NO_BUDGET_MIN_GAIN) * quickest.decision.peak_bytes, quickest.decision.peak_bytes - floor)
+    if slack <= 0 or worth <= 0:
         return Choice(
             quickest, fastest, True, quickest.decision.note, time.perf_counter() - started, judge(fastest).peak
         )
@@ -325,8 +331,9 @@ def _no_budget(
     found = [
         (solve_within(problem, slack, options.solver, solve_options, quickest.decision), f"the least peak {within}")
     ]
-    if reference is not None:
-        theirs = as_decision(analysis.graph, reference)
+    names = reference.saved() if reference is not None else None
+    if names is not None:
+        theirs = as_decision(analysis.graph, names)
         found.append((theirs, f"PyTorch's own partition (plain torch.compile's), below the least peak {within}"))
         if theirs.recompute_seconds > slack:
             # As much pointwise recompute as PyTorch's partition does, placed by fxremat's memory model.
@@ -339,9 +346,6 @@ def _no_budget(
                     f"estimated recompute ({budgeted * 1e3:.3g} ms)",
                 )
             )
-    # Each lowering costs a dry Inductor compile: candidates that barely lower the solver's
-    # estimate are not worth one (on small graphs, the common case, none is).
-    worth = (1 - NO_BUDGET_MIN_GAIN) * quickest.decision.peak_bytes
     candidates = [(quickest, "")] + [(judge(d), why) for d, why in found if d.peak_bytes < worth]
     lowered, why = min(candidates, key=lambda c: (c[0].peak, c[0].decision.recompute_seconds))
     note = lowered.decision.note
@@ -354,7 +358,7 @@ def _no_budget(
     return Choice(lowered, fastest, True, note, time.perf_counter() - started, judge(fastest).peak)
 
 
-def choose(analysis: Analysis, options: Options, name: str, reference: tuple[str, ...] | None = None) -> Choice:
+def choose(analysis: Analysis, options: Options, name: str, reference: Reference | None = None) -> Choice:
     """Solve, lower and judge until the programs fit close under the budget; else the least-memory plan.
 
     Every candidate is judged by ``lower`` (the programs that will run), never by

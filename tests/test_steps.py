@@ -34,7 +34,7 @@ def _compile(model, **options):
 
 def _budget(model, x) -> int:
     """Halfway between the least and the fastest plan, outputs counted as alive (the default)."""
-    fastest = fxremat.explain(model, x, inner="eager")
+    fastest = fxremat.explain(model, x, inner="eager", time_slack=0)
     least = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min")
     return (fastest.predicted_peak + least.predicted_peak) // 2
 

@@ -21,7 +21,7 @@ from .problem import ProblemGraph
 from ..solvers.schedule import decision
 from ..solvers.types import FORWARD, Decision, RematProblem
 
-__all__ = ["pytorch_saved", "as_decision", "pointwise_only"]
+__all__ = ["Reference", "as_decision", "pointwise_only"]
 
 log = logging.getLogger("fxremat")
 
@@ -34,13 +34,32 @@ def _copy(joint: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(joint, graph)
 
 
-def pytorch_saved(
+class Reference:
+    """PyTorch's partition of a joint graph, run when first asked for (``saved``).
+
+    The graph is copied when this is made: the planner then edits its own joint graph.
+    """
+
+    def __init__(self, joint: fx.GraphModule, joint_inputs, num_fwd_outputs: int, static_indices: list[int]) -> None:
+        self._args = (_copy(joint), joint_inputs, num_fwd_outputs, static_indices)
+        self._saved: tuple[str, ...] | None = None
+        self._done = False
+
+    def saved(self) -> tuple[str, ...] | None:
+        """Names of the values PyTorch's min-cut partitioner saves for the backward; None if it fails."""
+        if not self._done:
+            self._done = True
+            self._saved = _pytorch_saved(*self._args)
+            self._args = None  # type: ignore[assignment]
+        return self._saved
+
+
+def _pytorch_saved(
     joint: fx.GraphModule, joint_inputs, num_fwd_outputs: int, static_lifetime_input_indices: list[int]
 ) -> tuple[str, ...] | None:
-    """Names of the joint-graph values PyTorch's min-cut partitioner saves for the backward; None if it fails."""
     try:
         fw, _ = min_cut_partition(
-            _copy(joint),
+            joint,
             joint_inputs,
             compiler="inductor",
             num_fwd_outputs=num_fwd_outputs,
