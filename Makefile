@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format docs bench fuzz zoo clean
+.PHONY: setup demo test lint format docs bench no-budget fuzz zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py
+
+# No budget against eager and plain torch.compile, side by side (docs/NO_BUDGET.md; the timm rows need `make zoo`'s set-up).
+no-budget: $(STAMP)
+	$(PY) benchmarks/zoo.py --setup-timm
+	$(PY) benchmarks/no_budget.py
 
 # 500 random models and budgets (make test runs 25).
 fuzz: $(STAMP)
