@@ -77,6 +77,13 @@ class Options:
     pointwise-only recompute up to that partition's time, when they gain at least 2% and
     1 MiB (docs/CONCEPTS.md). 0: the fastest plan. Ignored under a budget, where the
     fastest plan that fits runs."""
+    repeats: int = 1
+    """How many times the compiled graph runs in one step before the backward reaches it: a
+    block compiled on its own and called once per layer, or layers separated by graph breaks
+    (FSDP2 wrapping each layer). Each earlier call keeps its saved activations alive while
+    the later ones run, so a plan is judged at its peak plus ``repeats - 1`` times its saved
+    bytes. 1 (default): fxremat counts the calls in the first step and, under a budget, plans
+    such a graph again with the count it saw."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
@@ -161,6 +168,12 @@ def _share(name: str, value) -> float:
     return float(value)
 
 
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a whole number of calls, at least 1")
+    return value
+
+
 def _path(name: str, value) -> str | None:
     if value is None:
         return None
@@ -179,6 +192,7 @@ _VALIDATE = {
     "on_error": _one_of(ON_ERROR),
     "time_limit": _seconds,
     "time_slack": _share,
+    "repeats": _count,
     "dump_dir": _path,
     "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
 }

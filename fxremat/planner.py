@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
@@ -107,7 +107,8 @@ class Lowered:
     backward: fx.GraphModule
     simulation: Simulation
     peak: int
-    """Predicted peak: under Inductor, of the program Inductor generates; else the simulated one."""
+    """Predicted peak: under Inductor, of the program Inductor generates; else the simulated one; plus
+    ``repeats - 1`` times the saved bytes (the earlier calls of the graph in the step)."""
     source: str = "simulation"
     """Where ``peak`` comes from: "inductor" (its program), "simulation", or "simulation+allowance"."""
     other_peak: int = 0
@@ -226,6 +227,8 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     graph = build_problem(
         joint, forward, costs, num_fwd_outputs, scratch, fused, options.release_outputs is True, pairs
     )
+    if options.repeats > 1:
+        graph = replace(graph, problem=replace(graph.problem, copies=options.repeats - 1))
     seconds["problem"] = time.perf_counter() - t
     return Analysis(
         joint,
@@ -258,8 +261,10 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
         fusion=analysis.fusion,
         outputs_released=options.release_outputs is True,
     )
+    # Earlier calls of this graph in the step hold their saved activations through this one.
+    held = (options.repeats - 1) * sim.saved_bytes
     if not analysis.fusion:
-        return Lowered(decision, fw, bw, sim, sim.peak)
+        return Lowered(decision, fw, bw, sim, sim.peak + held)
     try:
         step = predict_step(
             fw, bw, analysis.num_fwd_outputs, analysis.scratch, outputs_released=options.release_outputs is True
@@ -270,8 +275,9 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
             f"predicting from the fusion-aware simulation plus {INDUCTOR_ALLOWANCE:.0%}",
             stacklevel=2,
         )
-        return Lowered(decision, fw, bw, sim, math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)), "simulation+allowance")
-    return Lowered(decision, fw, bw, sim, step.peak, "inductor", step.other_peak)
+        peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) + held
+        return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
+    return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held)
 
 
 def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int:
@@ -288,7 +294,10 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
         fusion=analysis.fusion,
         outputs_released=True,
     )
-    return math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if lowered.source == "simulation+allowance" else sim.peak
+    held = (options.repeats - 1) * sim.saved_bytes
+    return held + (
+        math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if lowered.source == "simulation+allowance" else sim.peak
+    )
 
 
 def _faster(a: Lowered, b: Lowered) -> bool:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from .budget import format_bytes
 from .options import Options
 from .passes.cost import NodeCost
 from .passes.problem import ProblemGraph, is_tangent
@@ -45,7 +46,7 @@ def build_plan(
         output_bytes=sim.output_bytes,
         feasible=choice.fits,
         gap=decision.gap,
-        note=choice.note,
+        note="; ".join(filter(None, [choice.note, _repeats_note(options.repeats, sim.saved_bytes)])),
         pass_seconds={**analysis.seconds, "solve": choice.solve_seconds, "total": total_seconds},
         num_nodes=pg.problem.size,
         timeline=tuple(
@@ -60,6 +61,15 @@ def build_plan(
         ),
         largest=_largest(pg, costs),
         problem=pg.problem,
+    )
+
+
+def _repeats_note(repeats: int, saved_bytes: int) -> str:
+    if repeats <= 1:
+        return ""
+    return (
+        f"runs {repeats} times in a step: the predicted peak counts the {repeats - 1} earlier calls' "
+        f"saved activations ({format_bytes((repeats - 1) * saved_bytes)})"
     )
 
 

@@ -52,6 +52,8 @@ class _Call:
     outputs: list[weakref.ref]
     leaves: frozenset[int]
     """Storages of the leaf inputs (parameters) the call takes gradients of."""
+    owner: int = 0
+    """``id`` of the TrackedGraph that made the call (its plan's name changes when it is planned again)."""
     backward_started: bool = False
 
     def held(self) -> int:
@@ -113,6 +115,11 @@ class TrackedGraph:
         self.released = False  # re-planned once with the outputs released
         self.assumed_released = False  # planned with the outputs released before any step showed it
         self.reserved: dict[frozenset, int] = {}
+        self.user_budget = options.budget
+        self.repeats: list[tuple[int, int]] = []
+        """(calls of this graph holding memory, counting this one; bytes others hold) at each repeated
+        call of the running step: a graph reused for every layer of a model (graph breaks between
+        layers, FSDP2 wrapping each one) runs while its own earlier calls hold their activations."""
 
     def ask(self, why: str, **changes) -> None:
         """Plan this graph again on its next call, with ``changes`` to its options (they add up)."""
@@ -131,6 +138,39 @@ class TrackedGraph:
             return
         self.reserved[key] = nbytes
         self.ask(why, budget=max(1, user_budget - max(self.reserved.values())))
+
+    def check_repeats(self) -> None:
+        """At the step's backward: did this graph's repeated calls fit the budget? If not, plan it for them.
+
+        A plan for ``n`` calls is judged at its peak plus ``n - 1`` times its saved
+        bytes (``Options.repeats``), under the budget less what other graphs and
+        the earlier calls' outputs held.
+        """
+        contexts, self.repeats = self.repeats, []
+        plan, budget = self.plan, self.user_budget
+        if not contexts or plan is None or budget is None or self.pending is not None:
+            return
+        planned = self.options.repeats
+        single = plan.predicted_peak - (planned - 1) * plan.saved_bytes
+        calls = max(n for n, _ in contexts)
+        others = max(extra for _, extra in contexts)
+        worst = max(single + (n - 1) * plan.saved_bytes + extra for n, extra in contexts)
+        if worst <= budget and calls <= planned:
+            return
+        if worst > budget:
+            warnings.warn(
+                f"fxremat {plan.graph}: the graph ran {calls} times in this step, each earlier call holding its "
+                f"{format_bytes(plan.saved_bytes)} of saved activations (a graph reused for every layer, e.g. graph "
+                f"breaks between layers or FSDP2 wrapping each one): this step could peak "
+                f"{format_bytes(worst - budget)} above the budget {format_bytes(budget)}",
+                stacklevel=3,
+            )
+            reserved = max(self.reserved.values(), default=0)
+            self.ask(
+                f"it runs {calls} times in a step; planning it for that",
+                repeats=max(calls, planned),
+                budget=max(1, budget - reserved - others),
+            )
 
     def __call__(self, *args):
         if self.pending is not None and self.source is not None:
@@ -314,12 +354,20 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     inputs.discard(0)
     # Outputs that alias an input (a parameter's view) hold nothing new.
     own = [o for o in outputs if o.untyped_storage().data_ptr() not in inputs]
-    call = _Call(plan.graph, plan.saved_bytes, [weakref.ref(o) for o in own], frozenset(_leaves(args)))
+    call = _Call(plan.graph, plan.saved_bytes, [weakref.ref(o) for o in own], frozenset(_leaves(args)), id(graph))
+    if options.budget is not None:
+        calls = held()
+        mine = [c for c in calls if c.owner == id(graph)]
+        if mine:
+            # What the others hold, and the earlier calls' outputs: their saved bytes depend on the plan.
+            extra = sum(c.held() for c in calls) - sum(c.saved_bytes for c in mine)
+            graph.repeats.append((len(mine) + 1, extra))
     with _LOCK:
         _CALLS.append(call)
 
     def backward_started(_grads) -> None:
         call.backward_started = True
+        graph.check_repeats()
         if graph.assumed_released and options.budget is not None:
             alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
             if alive >= REPLAN_MIN_SHARE * options.budget:

@@ -244,6 +244,8 @@ class _Program:
     step_rows: set[int] = field(default_factory=set)
     bytes_scale: float = 1.0
     memory_row: int = -1
+    held: list[tuple[int, float]] = field(default_factory=list)
+    """Terms of the kept bytes the graph's earlier calls hold at every step (``RematProblem.copies``)."""
 
     def var(self, cost: float, upper: float, integer: bool) -> int:
         self.cost.append(cost)
@@ -329,7 +331,7 @@ class _Program:
                         inf,
                     )
         terms = [(a, facts.storage_bytes[col] / self.bytes_scale) for col, a in sorted(alive.items())]
-        self.row(terms, -inf, (budget - facts.fixed[p]) / self.bytes_scale)
+        self.row(terms + self.held, -inf, (budget - facts.fixed[p]) / self.bytes_scale)
 
     def solve(self, memory_limit: float | None, nodes: int, seconds_left: float):
         """One HiGHS solve, stopped after ``nodes`` branch-and-bound nodes, or ``seconds_left`` (the safety net)."""
@@ -377,6 +379,8 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
     for v in rule.relevant:
         prog.var(problem.seconds[v] / total_seconds, 0.0 if v in rule.no_recompute else 1.0, True)
     storage_var = [prog.var(TIE_BREAK * cheapest * b / prog.bytes_scale, 1.0, False) for b in facts.storage_bytes]
+    if problem.copies:
+        prog.held = [(c, problem.copies * b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)]
     needed = set(rule.needed)
     for v in rule.relevant:
         for u in problem.inputs[v]:
@@ -398,7 +402,9 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
             prog.row([(prog.s(v), 1.0) for v in members], -float("inf"), 1.0)
     if budget is not None:
         prog.memory_row = prog.row(
-            [(c, b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)], -float("inf"), float("inf")
+            [(c, (1 + problem.copies) * b / prog.bytes_scale) for c, b in zip(storage_var, facts.storage_bytes)],
+            -float("inf"),
+            float("inf"),
         )
         # Cheap rows at every backward node that reads a forward value: owners only
         # (a recomputed fused value lives inside its readers' kernels: only keeping it costs).
@@ -411,7 +417,7 @@ def _program(facts: _Facts, budget: int | None, cutoff_seconds: float | None) ->
                     terms.append((prog.s(v), b))
                     if at[0] <= p and v not in fused:
                         terms.append((prog.r(v), b))
-            prog.row(terms, -float("inf"), (budget - facts.fixed[p]) / prog.bytes_scale)
+            prog.row(terms + prog.held, -float("inf"), (budget - facts.fixed[p]) / prog.bytes_scale)
     if cutoff_seconds is not None:
         # Only plans at least as fast as the warm start are of interest.
         slack = 1e-9 * max(1.0, cutoff_seconds / total_seconds)

@@ -326,6 +326,10 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
             live -= alive.pop(s, 0)
 
     kept_bytes = sum(alive.get(s, 0) for s in {storage[v] for v in kept_set})
+    # The earlier calls of the graph hold their kept sets through all of this one (their
+    # outputs are the caller's: counted with what else the step holds, not here).
+    outputs = {storage[v] for v in problem.fw_outputs}
+    by_copies = problem.copies * sum(alive.get(s, 0) for s in {storage[v] for v in kept_set} - outputs)
     # Backward: kept storages are freed after their last backward use.
     bw_last = last_uses(backward)
     if problem.outputs_released:
@@ -348,6 +352,9 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
             peak, peak_step = during, len(steps) - 1
         for s in frees.get(i, ()):
             live -= alive.pop(s, 0)
+    if by_copies:
+        steps = [(v, phase, live + by_copies) for v, phase, live in steps]
+        peak += by_copies
     return Timeline(tuple(steps), peak, peak_step, kept_bytes, tuple(reused))
 
 

@@ -57,6 +57,9 @@ class RematProblem:
         outputs_released: the caller drops the forward's outputs before the
             backward runs (``loss = model(x).loss`` drops the logits), so they
             live to the forward's end, not to the step's end.
+        copies: earlier calls of the same graph in the step, each holding its
+            kept set while this call runs (a graph reused for every layer):
+            every plan's peak counts its kept bytes ``copies`` more times.
     """
 
     names: tuple[str, ...]
@@ -77,9 +80,12 @@ class RematProblem:
     fused: tuple[int, ...] = ()
     outputs_released: bool = False
     inplace: tuple[tuple[int, int], ...] = ()
+    copies: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if self.copies < 0:
+            raise ValueError(f"RematProblem.copies is {self.copies}: earlier calls holding memory, at least 0")
         if not set(self.phase) <= {FORWARD, BACKWARD}:
             odd = sorted(set(self.phase) - {FORWARD, BACKWARD})
             raise ValueError(f"RematProblem.phase holds {odd}: each entry is FORWARD or BACKWARD")
