@@ -40,6 +40,8 @@ __all__ = [
     "is_op_overload",
     "op_schema",
     "profiler_is_enabled",
+    "default_store",
+    "StorageWeakRef",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -94,6 +96,10 @@ from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # no
 
 # Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput).
 from torch.utils._pytree import tree_leaves  # noqa: E402
+
+# A weak reference to a tensor's storage (C++ weak pointer): whether a graph's outputs are still
+# alive when the tensors the graph returned were replaced by views (FSDP2 wraps layer outputs).
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 # fx codegen whose forward takes a list it may clear, so inputs die at last use.
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen  # noqa: E402
@@ -292,3 +298,11 @@ def inductor_program_events(
                 elif isinstance(line, w.KernelCallLine):
                     events.append(("kernel", ()))
     return events
+
+
+def default_store():
+    """The default process group's key-value store: rank 0's plan reaches the other ranks
+    through it without a collective, so a rank that plans alone never blocks the others."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

@@ -56,20 +56,21 @@ class FxrematPartitioner(CustomPartitionerFn):
     so Inductor's FX graph cache never serves a plan made for other options.
     """
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, sync_ranks: bool = False) -> None:
         self.options = options
+        self.sync_ranks = sync_ranks
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
-        return _partition_guarded(gm, joint_inputs, self.options, **kwargs)
+        return _partition_guarded(gm, joint_inputs, self.options, sync_ranks=self.sync_ranks, **kwargs)
 
     def uuid(self) -> str:
         return hashlib.sha256((self.options.key() + _source_hash()).encode()).hexdigest()
 
 
-def _partition_guarded(gm, joint_inputs, options: Options, **kwargs):
+def _partition_guarded(gm, joint_inputs, options: Options, sync_ranks: bool = False, **kwargs):
     """Run the planner; on an unexpected failure raise with context, or fall back."""
     try:
-        return partition(gm, joint_inputs, options=options, **kwargs)
+        return partition(gm, joint_inputs, options=options, sync_ranks=sync_ranks, **kwargs)
     except BudgetError:
         raise
     except Exception as exc:
@@ -117,6 +118,9 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
         A Dynamo backend ``(gm, example_inputs) -> callable``.
     """
 
+    # explain's dry runs plan on one rank alone: they neither publish nor wait for rank 0's plans.
+    dry = program_compiler is not None
+
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
         return track(gm, example_inputs, options, compile_planned)
 
@@ -131,11 +135,11 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             return aot_autograd(
                 fw_compiler=program_compiler or eager_compiler,
                 bw_compiler=program_compiler or eager_compiler,
-                partition_fn=functools.partial(_partition_guarded, options=options),
+                partition_fn=functools.partial(_partition_guarded, options=options, sync_ranks=dry is False),
                 keep_inference_input_mutations=True,
             )(gm, example_inputs)
         # Inductor's FX graph cache, keyed by the partitioner's uuid, still skips code generation.
-        patches: dict[str, object] = {"custom_partitioner_fn": FxrematPartitioner(options)}
+        patches: dict[str, object] = {"custom_partitioner_fn": FxrematPartitioner(options, sync_ranks=dry is False)}
         # The planner judges each plan on the program Inductor generates under these same
         # settings (passes/inductor_memory.py), so they change memory, not the truth of a prediction.
         if options.budget is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from .budget import format_bytes
 if TYPE_CHECKING:
     from .solvers.types import RematProblem
 
-__all__ = ["ValueRecord", "NodeRecord", "Plan", "PLAN_SCHEMA"]
+__all__ = ["ValueRecord", "NodeRecord", "Plan", "PLAN_SCHEMA", "fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,18 @@ class Plan:
             f"~{self.recompute_seconds * 1e3:.2f} ms), solver {self.solver} in {self.solve_seconds * 1e3:.0f} ms"
         )
 
+    def fingerprint(self) -> str:
+        """A short hash of the kept values' names: equal on every rank that runs the same plan.
+
+        Returns:
+            16 hex digits.
+
+        Example:
+            >>> fxremat.plans()[-1].fingerprint()  # doctest: +SKIP
+            '3f1c0a9d2b7e4c61'
+        """
+        return fingerprint([rec.name for rec in self.kept])
+
     def by_module(self) -> list[tuple[str, int, int, int, float]]:
         """Kept and recomputed totals per module, the table of ``str(plan)``.
 
@@ -254,3 +267,8 @@ class Plan:
 
 
 PLAN_SCHEMA = "fxremat.plan/1"
+
+
+def fingerprint(kept_names) -> str:
+    """A short hash of a plan's kept value names, in graph order (``Plan.fingerprint``)."""
+    return hashlib.sha256("\n".join(kept_names).encode()).hexdigest()[:16]

@@ -38,9 +38,11 @@ from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize
 from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
+from .ranks import agree, graph_digest
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
+from .solvers.schedule import decision as make_decision
 from .solvers.types import Decision, SolveOptions
 
 __all__ = [
@@ -161,6 +163,7 @@ def partition(
     options: Options,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
+    sync_ranks: bool = False,
     **_ignored,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition AOTAutograd's joint graph under ``options.budget`` (the ``partition_fn`` of AOTAutograd).
@@ -171,6 +174,8 @@ def partition(
         options: validated fxremat options.
         num_fwd_outputs: how many joint outputs belong to the forward.
         static_lifetime_input_indices: inputs with static lifetime (parameters).
+        sync_ranks: in a distributed job, check the plan against rank 0's and follow
+            it (``fxremat/ranks.py``); off for ``explain``'s dry runs.
 
     Returns:
         (forward, backward) GraphModules; the Plan is recorded (``fxremat.plans()``).
@@ -191,6 +196,8 @@ def partition(
     name = new_graph_name()
     analysis = analyse(joint, info, options, num_fwd_outputs, recomputes_rng)
     choice = choose(analysis, options, name, reference)
+    if sync_ranks:
+        choice = follow_rank0(analysis, choice, options, name)
     plan = build_plan(
         name,
         analysis,
@@ -278,6 +285,22 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
         peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) + held
         return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
     return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held)
+
+
+def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str) -> Choice:
+    """In a distributed job: rank 0's plan of this graph when this rank's differs (``ranks.agree``)."""
+    nodes = analysis.graph.nodes
+    kept = tuple(nodes[i].name for i in choice.lowered.decision.kept)
+    theirs = agree(graph_digest(analysis.joint, options), kept, name)
+    if theirs is None:
+        return choice
+    wanted = set(theirs)
+    ids = [i for i, n in enumerate(nodes) if n.name in wanted]
+    problem = analysis.graph.problem
+    lowered = lower(analysis, make_decision(problem, ids, options.budget, "rank 0"), options)
+    fits = options.budget is None or lowered.peak <= options.budget
+    note = f"rank 0's plan: this rank had planned another ({choice.lowered.decision.solver}, {len(kept)} kept)"
+    return replace(choice, lowered=lowered, fits=fits, note="; ".join(filter(None, [note, choice.note])))
 
 
 def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ._torch_compat import FakeTensor
+from ._torch_compat import FakeTensor, StorageWeakRef
 from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
@@ -54,16 +54,21 @@ class _Call:
     """Storages of the leaf inputs (parameters) the call takes gradients of."""
     owner: int = 0
     """``id`` of the TrackedGraph that made the call (its plan's name changes when it is planned again)."""
+    storages: tuple[tuple[StorageWeakRef, int], ...] = ()
+    """The outputs' storages and their bytes: alive as long as any view of them is (FSDP2 hands the
+    caller views of a layer's outputs, made by its own autograd function, and drops the originals)."""
+    node: weakref.ref | None = None
+    """The call's backward node: while it is alive, so are the activations saved for it."""
     backward_started: bool = False
 
     def held(self) -> int:
         """Bytes this call keeps alive: its saved activations and its live outputs."""
         if self.backward_started:
             return 0
-        alive = [t for t in (r() for r in self.outputs) if t is not None]
-        if not alive:  # nothing references its autograd graph: the saved tensors are gone too
-            return 0
-        return self.saved_bytes + _bytes(alive)
+        outputs = sum(nbytes for ref, nbytes in self.storages if not ref.expired())
+        if not outputs and (self.node is None or self.node() is None):
+            return 0  # nothing references its autograd graph: the saved tensors are gone too
+        return self.saved_bytes + outputs
 
 
 _LOCK = threading.Lock()
@@ -137,7 +142,9 @@ class TrackedGraph:
         if self.reserved.get(key, 0) >= nbytes:
             return
         self.reserved[key] = nbytes
-        self.ask(why, budget=max(1, user_budget - max(self.reserved.values())))
+        # Its calls so far in this step (a graph reused per layer) all hold memory while that graph runs.
+        calls = max([self.options.repeats] + [n for n, _ in self.repeats])
+        self.ask(why, budget=max(1, user_budget - max(self.reserved.values())), repeats=calls)
 
     def check_repeats(self) -> None:
         """At the step's backward: did this graph's repeated calls fit the budget? If not, plan it for them.
@@ -148,7 +155,7 @@ class TrackedGraph:
         """
         contexts, self.repeats = self.repeats, []
         plan, budget = self.plan, self.user_budget
-        if not contexts or plan is None or budget is None or self.pending is not None:
+        if not contexts or plan is None or budget is None:
             return
         planned = self.options.repeats
         single = plan.predicted_peak - (planned - 1) * plan.saved_bytes
@@ -354,7 +361,16 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     inputs.discard(0)
     # Outputs that alias an input (a parameter's view) hold nothing new.
     own = [o for o in outputs if o.untyped_storage().data_ptr() not in inputs]
-    call = _Call(plan.graph, plan.saved_bytes, [weakref.ref(o) for o in own], frozenset(_leaves(args)), id(graph))
+    storages = {o.untyped_storage().data_ptr(): o for o in own}
+    call = _Call(
+        plan.graph,
+        plan.saved_bytes,
+        [weakref.ref(o) for o in own],
+        frozenset(_leaves(args)),
+        id(graph),
+        tuple((StorageWeakRef(o.untyped_storage()), o.untyped_storage().nbytes()) for o in storages.values()),
+        _node(differentiable),
+    )
     if options.budget is not None:
         calls = held()
         mine = [c for c in calls if c.owner == id(graph)]
@@ -395,6 +411,16 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             )
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+
+
+def _node(outputs) -> weakref.ref | None:
+    """A weak reference to the backward node of the call that made ``outputs``, when it can have one."""
+    for o in outputs:
+        try:
+            return weakref.ref(o.grad_fn)
+        except TypeError:  # a node type without weak references: liveness from the outputs alone
+            return None
+    return None
 
 
 def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
