@@ -42,6 +42,7 @@ __all__ = [
     "profiler_is_enabled",
     "default_store",
     "StorageWeakRef",
+    "fsdp_groups",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -306,3 +307,32 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def fsdp_groups() -> list[tuple[int, bool]]:
+    """(unsharded bytes, resharded after forward) of every FSDP2 parameter group alive in the process.
+
+    FSDP2 keeps its per-module state in the composable-API registry; its hooks
+    all-gather and free the unsharded parameters outside the compiled graphs, so
+    the budget must leave room for them. Empty when FSDP2 is not in use.
+    """
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    from torch.distributed import _composable_state
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    groups: dict[int, tuple[int, bool]] = {}
+    for ref in list(_composable_state._module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        if not isinstance(state, FSDPState) or id(state) in groups:
+            continue
+        group = state._fsdp_param_group
+        if group is None:
+            continue
+        nbytes = sum(
+            p._orig_size.numel() * (p.param_dtype or p.sharded_param.dtype).itemsize for p in group.fsdp_params
+        )
+        groups[id(state)] = (nbytes, group.post_forward_mesh_info is not None)
+    return list(groups.values())

@@ -77,6 +77,11 @@ class Options:
     pointwise-only recompute up to that partition's time, when they gain at least 2% and
     1 MiB (docs/CONCEPTS.md). 0: the fastest plan. Ignored under a budget, where the
     fastest plan that fits runs."""
+    reserve: int = 0
+    """Bytes of the budget to leave for memory the step allocates outside fxremat's graphs: a
+    loss computed outside the compiled model, DDP's gradient buckets, buffers of your own.
+    Under FSDP2 fxremat adds FSDP's own (its unsharded parameters and gradient buffers, which
+    its hooks allocate outside the compiled graphs) by itself. Int bytes or a string with a unit."""
     repeats: int = 1
     """How many times the compiled graph runs in one step before the backward reaches it: a
     block compiled on its own and called once per layer, or layers separated by graph breaks
@@ -168,6 +173,15 @@ def _share(name: str, value) -> float:
     return float(value)
 
 
+def _reserve(name: str, value) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    parsed = parse_budget(value, name=name)
+    if parsed is None:
+        raise TypeError(f"{name}=None: pass 0 to reserve nothing, or bytes (an int or a string such as '64MiB')")
+    return parsed
+
+
 def _count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a whole number of calls, at least 1")
@@ -193,6 +207,7 @@ _VALIDATE = {
     "time_limit": _seconds,
     "time_slack": _share,
     "repeats": _count,
+    "reserve": _reserve,
     "dump_dir": _path,
     "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
 }

@@ -131,6 +131,9 @@ class Plan:
     released_peak: int = 0
     """Predicted peak of the same programs when the caller drops the forward's outputs before the
     backward (``model(x).loss``); equal to ``predicted_peak`` when the plan assumed that."""
+    reserved_bytes: int = 0
+    """Bytes of the budget left for memory the step holds outside this graph (``Options.reserve``;
+    under FSDP2, its unsharded parameters and gradient buffers): the graph was planned under the rest."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: RematProblem | None = field(default=None, repr=False, compare=False)
@@ -208,6 +211,13 @@ class Plan:
             f"  predicted peak          {format_bytes(self.predicted_peak):>12}"
             + ("" if self.budget is None else f"  (budget {format_bytes(self.budget)})"),
             f"  fastest plan's peak     {format_bytes(self.fastest_peak):>12}",
+            *(
+                [
+                    f"  reserved outside graph  {format_bytes(self.reserved_bytes):>12}  (FSDP2's buffers, Options.reserve)"
+                ]
+                if self.reserved_bytes
+                else []
+            ),
             f"  largest tensor          {format_bytes(self.largest[2]):>12}  ({self.largest[0]} in {self.largest[1] or '<top>'})",
             "Weights, optimizer state, the gradients returned and what the loss needs (a language model's logits)"
             " exist whatever the plan; remat only trades saved activations for recompute time.",

@@ -401,7 +401,8 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     problem = analysis.graph.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
     fastest = solve(problem, None, "save_all", solve_options)
-    budget = options.budget
+    # What the step holds outside this graph (options.reserve) is not the graph's to use.
+    budget = None if options.budget is None else max(1, options.budget - options.reserve)
     judged: dict[tuple[int, ...], Lowered] = {}  # one dry lowering per distinct kept set
 
     def judge(decision: Decision) -> Lowered:
@@ -452,11 +453,13 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     if least is None:
         least = judge(solve(problem, 1, options.solver, solve_options))
     note = least.decision.note
+    assert options.budget is not None
     if options.on_infeasible == "error":
-        raise BudgetError(budget, least.peak, where=name)
+        raise BudgetError(options.budget, least.peak + options.reserve, where=name)
+    outside = f" with {format_bytes(options.reserve)} reserved outside the graph" if options.reserve else ""
     why = (
-        f"budget {format_bytes(budget)} is below the least reachable peak {format_bytes(least.peak)}; "
-        "using the least-memory plan (on_infeasible='min')"
+        f"budget {format_bytes(options.budget)} is below the least reachable peak {format_bytes(least.peak)}"
+        f"{outside}; using the least-memory plan (on_infeasible='min')"
     )
     warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
     note = f"{why}; {note}" if note else why

@@ -45,6 +45,7 @@ def build_plan(
         tangent_bytes=sim.tangent_bytes,
         output_bytes=sim.output_bytes,
         feasible=choice.fits,
+        reserved_bytes=options.reserve,
         gap=decision.gap,
         note="; ".join(filter(None, [choice.note, _repeats_note(options.repeats, sim.saved_bytes)])),
         pass_seconds={**analysis.seconds, "solve": choice.solve_seconds, "total": total_seconds},

@@ -25,12 +25,20 @@ from typing import Callable
 
 import torch
 
-from ._torch_compat import FakeTensor, StorageWeakRef
+from ._torch_compat import FakeTensor, StorageWeakRef, fsdp_groups
 from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
 
-__all__ = ["track", "held", "running_plans", "TrackedGraph", "REPLAN_MIN_SHARE"]
+__all__ = [
+    "track",
+    "held",
+    "running_plans",
+    "TrackedGraph",
+    "REPLAN_MIN_SHARE",
+    "fsdp_reserve",
+    "FSDP_RESHARDED_COPIES",
+]
 
 log = logging.getLogger("fxremat")
 
@@ -157,6 +165,8 @@ class TrackedGraph:
         plan, budget = self.plan, self.user_budget
         if not contexts or plan is None or budget is None:
             return
+        user_budget = budget
+        budget -= self.options.reserve  # the rest of the step's memory is not this graph's
         planned = self.options.repeats
         single = plan.predicted_peak - (planned - 1) * plan.saved_bytes
         calls = max(n for n, _ in contexts)
@@ -176,7 +186,7 @@ class TrackedGraph:
             self.ask(
                 f"it runs {calls} times in a step; planning it for that",
                 repeats=max(calls, planned),
-                budget=max(1, budget - reserved - others),
+                budget=max(1, user_budget - reserved - others),
             )
 
     def __call__(self, *args):
@@ -244,6 +254,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     Returns:
         The callable Dynamo runs in place of the graph.
     """
+    options = _with_fsdp_reserve(options)
     graph = TrackedGraph(gm, options, compile_graph, replannable=options.budget is not None)
     calls = held() if options.budget is not None else []
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
@@ -259,7 +270,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
         try:
             graph.compiled, graph.plan = compile_graph(gm, example_inputs, planned)
         except BudgetError as exc:
-            need = exc.least_peak
+            need = exc.least_peak - planned.reserve  # the graph's own least peak
             if need > budget:
                 raise BudgetError(budget, need, where=f"a graph run while {', '.join(holders)} hold memory") from None
             planned = dataclasses.replace(planned, on_infeasible="min")
@@ -303,6 +314,36 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     if graph.plan is not None:
         _GRAPHS[graph.plan.graph] = graph
     return graph
+
+
+# FSDP2's buffers outside the compiled graphs while a resharded group's graph runs: its own
+# unsharded parameters, the next group's, all-gathered ahead in the backward (implicit
+# prefetch), and the reduce-scatter copy of its gradients. Groups not resharded after the
+# forward (the root, by default) hold theirs through the whole step.
+FSDP_RESHARDED_COPIES = 3
+
+
+def fsdp_reserve() -> int:
+    """Bytes FSDP2's hooks hold outside fxremat's graphs at a step's peak (0 without FSDP2).
+
+    The unsharded parameters of every group not resharded after the forward, plus
+    ``FSDP_RESHARDED_COPIES`` times the largest resharded group's.
+    """
+    groups = fsdp_groups()
+    kept = sum(nbytes for nbytes, resharded in groups if not resharded)
+    largest = max((nbytes for nbytes, resharded in groups if resharded), default=0)
+    return kept + FSDP_RESHARDED_COPIES * largest
+
+
+def _with_fsdp_reserve(options: Options) -> Options:
+    """Under a budget and FSDP2: the options with FSDP's buffers reserved outside the graph."""
+    if options.budget is None:
+        return options
+    extra = fsdp_reserve()
+    if not extra:
+        return options
+    log.info("fxremat: reserving %s of the budget for FSDP2's unsharded parameters and buffers", format_bytes(extra))
+    return dataclasses.replace(options, reserve=options.reserve + extra)
 
 
 def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:
