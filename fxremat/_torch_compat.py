@@ -309,12 +309,14 @@ def default_store():
     return _get_default_store()
 
 
-def fsdp_groups() -> list[tuple[int, bool]]:
-    """(unsharded bytes, resharded after forward) of every FSDP2 parameter group alive in the process.
+def fsdp_groups(tensors) -> list[tuple[int, bool]]:
+    """(unsharded bytes, resharded after forward) of every FSDP2 parameter group of the model
+    whose unsharded parameters are among ``tensors`` (a compiled graph's inputs).
 
-    FSDP2 keeps its per-module state in the composable-API registry; its hooks
-    all-gather and free the unsharded parameters outside the compiled graphs, so
-    the budget must leave room for them. Empty when FSDP2 is not in use.
+    FSDP2 keeps its per-module state in the composable-API registry, and the root's
+    context lists every state of its tree; its hooks all-gather and free the
+    unsharded parameters outside the compiled graphs, so the budget must leave room
+    for them. Empty when no input is an FSDP2 parameter.
     """
     import sys
 
@@ -323,16 +325,22 @@ def fsdp_groups() -> list[tuple[int, bool]]:
     from torch.distributed import _composable_state
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    groups: dict[int, tuple[int, bool]] = {}
+    wanted = {id(t) for t in tensors}
     for ref in list(_composable_state._module_state_mapping.values()):
         state = ref() if callable(ref) else ref
-        if not isinstance(state, FSDPState) or id(state) in groups:
+        if not isinstance(state, FSDPState):
             continue
         group = state._fsdp_param_group
-        if group is None:
+        if group is None or not any(id(getattr(p, "_unsharded_param", None)) in wanted for p in group.fsdp_params):
             continue
-        nbytes = sum(
-            p._orig_size.numel() * (p.param_dtype or p.sharded_param.dtype).itemsize for p in group.fsdp_params
-        )
-        groups[id(state)] = (nbytes, group.post_forward_mesh_info is not None)
-    return list(groups.values())
+        states = state._state_ctx.all_states or [state]
+        out = []
+        for each in {id(s): s for s in states}.values():
+            g = each._fsdp_param_group
+            if g is not None:
+                nbytes = sum(
+                    p._orig_size.numel() * (p.param_dtype or p.sharded_param.dtype).itemsize for p in g.fsdp_params
+                )
+                out.append((nbytes, g.post_forward_mesh_info is not None))
+        return out
+    return []

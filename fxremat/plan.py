@@ -241,6 +241,7 @@ class Plan:
         data.pop("nodes")
         data.pop("problem")
         data["timeline"] = [list(step) for step in self.timeline]
+        data["fingerprint"] = self.fingerprint()
         return {"schema": PLAN_SCHEMA, **data}
 
     def save(self, directory: str | os.PathLike, *, measured=None, full: bool = False) -> list[Path]:

@@ -31,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,6 +46,7 @@ RTOL = 1e-4
 WORLD = 2
 BATCH = 8  # per rank
 TIMEOUT_S = 180  # whole run; the process group's own timeout is shorter
+PARAM_BYTES = (32 * 64 + 64 + 64 * 64 + 64 + 64 + 1) * 4  # Net's parameters, fp32
 DDP_BUCKET_BYTES = 8192  # less than the model's 25 KiB of parameters: at least two buckets
 
 
@@ -78,6 +80,24 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
+def _disagree(rank: int):
+    """Rank 1 plans differently from rank 0 (it keeps only the graph's inputs), as another torch build might."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+    from unittest import mock
+
+    from fxremat import planner
+
+    if rank != 1:
+        return nullcontext()
+    original = planner.choose
+
+    def inputs_only(analysis, options, name, reference=None):
+        return original(analysis, replace(options, solver="save_inputs", budget=None, time_slack=0.0), name, reference)
+
+    return mock.patch.object(planner, "choose", inputs_only)
+
+
 def _train_step(mode: str, rank: int, budget: int, out: Path) -> dict:
     import warnings
 
@@ -95,26 +115,39 @@ def _train_step(mode: str, rank: int, budget: int, out: Path) -> dict:
         # constant (1 MiB), not from DDP, and refuses a bucket cap below it.
         dist._DEFAULT_FIRST_BUCKET_BYTES = DDP_BUCKET_BYTES
         wrapped = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
-    else:
+    elif mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
         wrapped = model
+    else:  # plain data-parallel copies, no wrapper: only the plans' agreement is under test
+        wrapped = model
     compiled = torch.compile(wrapped, backend=fxremat.backend(budget=budget, inner="eager"))
-    result: dict = {"status": "ok"}
+    result: dict = {"status": "ok", "warnings": []}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught, _disagree(rank) if mode == "mismatch" else nullcontext():
+            warnings.simplefilter("always")
             _loss(compiled(shard)).backward()
+        result["warnings"] = [str(w.message) for w in caught if "fxremat" in str(w.message)]
         grads = {}
         for name, p in model.named_parameters():
             g = p.grad
             grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
         torch.save(grads, out / f"{mode}_grads{rank}.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            measured = fxremat.measure(lambda: _loss(compiled(shard)).backward(), reps=1, warmup=1)
+        result["measured_peak"] = measured.peak_bytes
     except Exception as exc:  # reported to the test, which decides
         result["status"] = f"{type(exc).__name__}: {exc}"
     result["plans"] = [
-        {"budget": p.budget, "predicted_peak": p.predicted_peak, "feasible": p.feasible, "summary": p.summary()}
+        {
+            "budget": p.budget,
+            "predicted_peak": p.predicted_peak,
+            "feasible": p.feasible,
+            "summary": p.summary(),
+            "fingerprint": p.fingerprint(),
+        }
         for p in fxremat.plans()
     ]
     return result
@@ -124,7 +157,10 @@ def _worker(out: str, budget: int) -> None:
     out_dir = Path(out)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    results = {mode: _train_step(mode, rank, budget, out_dir) for mode in ("ddp", "fsdp2")}
+    results = {
+        mode: _train_step(mode, rank, budget + (3 * PARAM_BYTES if mode == "fsdp2" else 0), out_dir)
+        for mode in ("ddp", "fsdp2", "mismatch")
+    }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
@@ -178,6 +214,7 @@ def runs(tmp_path_factory, budget):
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(WORLD),
             "OMP_NUM_THREADS": "1",
+            "FXREMAT_RANK_SYNC_TIMEOUT": "120",  # a rank waiting for a plan rank 0 never made fails in time
         }
         procs.append(
             subprocess.Popen(
@@ -211,6 +248,8 @@ def reference():
 
 def _check(mode, runs, reference, budget):
     out, results = runs
+    if mode == "fsdp2":
+        budget += 3 * PARAM_BYTES  # FSDP2's unsharded parameters and reduce-scatter buffers, outside the graph
     for rank, result in enumerate(results):
         outcome = result[mode]
         assert outcome["status"] == "ok", f"rank {rank}: {outcome['status']}"
@@ -218,10 +257,13 @@ def _check(mode, runs, reference, budget):
         for plan in outcome["plans"]:
             assert plan["budget"] <= budget, plan  # later pieces of a step get what earlier ones leave
             assert plan["feasible"] and plan["predicted_peak"] <= budget, plan["summary"]
+        assert outcome["measured_peak"] <= budget, (rank, outcome["measured_peak"], budget)
         grads = torch.load(out / f"{mode}_grads{rank}.pt")
         assert grads.keys() == reference.keys()
         for name, ref in reference.items():
             torch.testing.assert_close(grads[name], ref, atol=ATOL, rtol=RTOL, msg=f"rank {rank}: gradient of {name}")
+    fingerprints = [[p["fingerprint"] for p in result[mode]["plans"]] for result in results]
+    assert all(f == fingerprints[0] for f in fingerprints), fingerprints
 
 
 def test_ddp_gloo_matches_single_process(runs, reference, budget):
@@ -234,6 +276,26 @@ def test_ddp_gloo_matches_single_process(runs, reference, budget):
 def test_fsdp2_gloo_matches_single_process(runs, reference, budget):
     """See the module docstring: FSDP2 with fxremat works on CPU/gloo with torch 2.13."""
     _check("fsdp2", runs, reference, budget)
+
+
+def test_a_rank_that_plans_differently_follows_rank_0(runs, budget):
+    """Rank 1 is made to keep only the graph's inputs: it adopts rank 0's plan, warns, and trains correctly."""
+    out, results = runs
+    zero, one = results[0]["mismatch"], results[1]["mismatch"]
+    assert zero["status"] == "ok" and one["status"] == "ok", (zero["status"], one["status"])
+    assert [p["fingerprint"] for p in zero["plans"]] == [p["fingerprint"] for p in one["plans"]]
+    assert not any("different kept set" in w for w in zero["warnings"]), zero["warnings"]
+    assert any("planned a different kept set than rank 0" in w for w in one["warnings"]), (
+        one["warnings"],
+        [p["summary"] for p in zero["plans"]],
+        [p["summary"] for p in one["plans"]],
+    )
+    assert all(p["predicted_peak"] <= budget for p in one["plans"]), [p["summary"] for p in one["plans"]]
+    model = _net()
+    _loss(model(_batch().chunk(WORLD)[1])).backward()
+    grads = torch.load(out / "mismatch_grads1.pt")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=ATOL, rtol=RTOL, msg=f"gradient of {name}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""One plan on every rank (fxremat/ranks.py), in one process: a real in-memory store plays the
+process group's, and the rank is set by hand. tests/test_distributed.py runs two real ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch.distributed as dist
+
+import fxremat
+from fxremat import ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    """Switch this process between rank 0 and rank 1 of a two-rank job sharing one store."""
+    store = dist.HashStore()
+    monkeypatch.setattr(ranks, "default_store", lambda: store)
+    monkeypatch.setattr(ranks, "_planned", {})
+    monkeypatch.setattr(ranks, "_warned", False)
+
+    def switch(rank: int) -> None:
+        monkeypatch.setattr(ranks, "distributed_rank", lambda: rank)
+        ranks._planned.clear()  # each rank counts its own plans of a graph
+
+    return switch
+
+
+def test_outside_a_distributed_job_nothing_is_compared():
+    assert ranks.distributed_rank() is None
+    assert ranks.agree("digest", ("a",), "graph 0") is None
+
+
+def test_equal_plans_go_on_and_a_different_one_follows_rank_0(as_rank):
+    as_rank(0)
+    assert ranks.agree("g", ("a", "b"), "graph 0") is None  # rank 0 publishes, never waits
+    assert ranks.agree("g", ("c",), "graph 1") is None  # the same graph planned a second time
+    as_rank(1)
+    assert ranks.agree("g", ("a", "b"), "graph 0") is None
+    with pytest.warns(UserWarning, match="planned a different kept set than rank 0"):
+        assert ranks.agree("g", ("a",), "graph 1") == ("c",)
+
+
+def test_a_plan_rank_0_never_made_is_waited_for_then_kept(as_rank, monkeypatch):
+    monkeypatch.setenv(ranks.ENV_SYNC_TIMEOUT, "0.2")
+    as_rank(1)
+    with pytest.warns(UserWarning, match="found no plan from rank 0 for this graph within 0.2 s"):
+        assert ranks.agree("only-here", ("a",), "graph 0") is None
+
+
+def test_later_differences_are_logged_not_warned(as_rank, caplog):
+    as_rank(0)
+    ranks.agree("g", ("a",), "graph 0")
+    ranks.agree("h", ("a",), "graph 1")
+    as_rank(1)
+    with pytest.warns(UserWarning):
+        ranks.agree("g", ("b",), "graph 0")
+    with caplog.at_level(logging.WARNING, logger="fxremat"):
+        assert ranks.agree("h", ("b",), "graph 1") == ("a",)
+    assert "planned a different kept set than rank 0" in caplog.text
+
+
+def test_the_timeout_variable_is_validated(monkeypatch):
+    monkeypatch.setenv(ranks.ENV_SYNC_TIMEOUT, "soon")
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        ranks.sync_timeout()
+    monkeypatch.setenv(ranks.ENV_SYNC_TIMEOUT, "2.5")
+    assert ranks.sync_timeout() == 2.5
+
+
+def test_a_compiled_rank_adopts_rank_0s_plan(as_rank):
+    """Through the compile path: rank 0 runs its fastest plan; rank 1, made to keep only the
+    graph's inputs, runs rank 0's plan instead (same fingerprint) and still trains correctly."""
+    import copy
+    from dataclasses import replace
+    from unittest import mock
+
+    import torch
+
+    from checks import compare
+    from fxremat import planner
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64), torch.nn.Tanh())
+    x = torch.randn(128, 64)
+    original = planner.choose
+
+    def inputs_only(analysis, options, name, reference=None):
+        return original(analysis, replace(options, solver="save_inputs"), name, reference)
+
+    def run(rank: int, choose):
+        as_rank(rank)
+        torch._dynamo.reset()
+        fxremat.clear_plans()
+        model = copy.deepcopy(base)
+        compiled = torch.compile(model, backend=fxremat.backend(inner="eager", time_slack=0))
+        with mock.patch.object(planner, "choose", choose):
+            loss = compiled(x).square().mean()
+        loss.backward()
+        return model, loss, fxremat.plans()[-1]
+
+    _, _, zero = run(0, original)
+    with pytest.warns(UserWarning, match="planned a different kept set than rank 0"):
+        model, loss, one = run(1, inputs_only)
+    assert one.fingerprint() == zero.fingerprint()
+    assert "rank 0's plan" in one.note
+    ref = copy.deepcopy(base)
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+    compare(ref, ref_loss, model, loss)
