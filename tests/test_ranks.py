@@ -111,3 +111,33 @@ def test_a_compiled_rank_adopts_rank_0s_plan(as_rank):
     ref_loss = ref(x).square().mean()
     ref_loss.backward()
     compare(ref, ref_loss, model, loss)
+
+
+def test_collectives_are_never_recomputed():
+    """Even the least-memory plan keeps a collective's result: recomputing it would issue the
+    collective again, on some ranks only if their plans differed."""
+    import warnings
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    class Reduced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            h = funcol.all_reduce(torch.tanh(self.a(x)), "sum", dist.group.WORLD)
+            return self.b(h.sin()).square().mean()
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = fxremat.explain(Reduced(), torch.randn(128, 64), inner="eager", budget=1, on_infeasible="min")
+    finally:
+        dist.destroy_process_group()
+    assert plan.recomputed, "the least plan recomputes something"
+    assert not [r for r in plan.recomputed if "c10d" in r.op], [r.op for r in plan.recomputed]
+    assert any("c10d" in r.op for r in plan.kept), [r.op for r in plan.kept]
