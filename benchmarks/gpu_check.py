@@ -28,7 +28,8 @@ printed last, also when rows failed.
 
 Knobs (environment, or the flag of the same name: --total-s, --reps, ...): PYTHON (the interpreter
 gpu_check.sh runs), TOTAL_S (400: every row ends by then), ROW_TIMEOUT (150), REPS (5), LAYERS (4),
-HIDDEN (1024), HEADS (16), SEQ (1024), BATCH (32), VOCAB (8192), KEEP_WORK=1 (keep the logs folder),
+HIDDEN (1024), HEADS (16), SEQ (1024), BATCH (32), VOCAB (8192), DIST_TIMEOUT (240: the one-rank FSDP2 run
+of examples/distributed.py after the table, when transformers is installed; 0 skips it), KEEP_WORK=1 (keep the logs folder),
 GPU_CHECK_ALLOW_CPU=1 (smoke-test the logic on a CPU).
 
 Internally the same file is the driver (--drive: runs the rows, appends them to WORK/rows.jsonl),
@@ -67,6 +68,7 @@ KNOBS = {
     "SEQ": ("1024", int, "tokens per sequence"),
     "BATCH": ("32", int, "sequences per step"),
     "VOCAB": ("8192", int, "vocabulary size"),
+    "DIST_TIMEOUT": ("240", float, "timeout of the one-rank FSDP2 run of examples/distributed.py (0: skip it)"),
 }
 # Set for every row, as gpu_check.sh sets them (here too, so a direct `python benchmarks/gpu_check.py` is the same).
 FIXED_ENV = {
@@ -534,12 +536,34 @@ def check() -> int:
         if rc:
             print(f"(driver ended with status {rc}; table from the rows recorded)")
         table()
+        distributed_example()
         return 0
     finally:
         if os.environ.get("KEEP_WORK", "0") != "1":
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"logs kept in {work}")
+
+
+def distributed_example() -> None:
+    """examples/distributed.py on one rank (NCCL on the GPU): FSDP2 Llama under a per-rank budget, its
+    loss and gradients against one process, its measured peak against the budget. Needs transformers."""
+    timeout = knob("DIST_TIMEOUT")
+    if timeout <= 0:
+        return
+    if python("-c", "import transformers", capture_output=True).returncode != 0:
+        print("== distributed example: skipped (transformers is not installed)")
+        return
+    cuda = python("-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)").returncode == 0
+    args = ["--device", "cuda", "--budget", "128MiB", "--tokens", "512", "--batch", "8"] if cuda else ["--small"]
+    cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "1", "examples/distributed.py", *args]
+    print(f"== distributed example (one rank): python {' '.join(cmd)}")
+    try:
+        rc = python(*cmd, timeout=timeout, cwd=REPO).returncode
+    except subprocess.TimeoutExpired:
+        print(f"distributed example: timed out after {timeout:g} s")
+        return
+    print(f"distributed example: {'passed' if rc == 0 else f'FAILED (status {rc})'}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
