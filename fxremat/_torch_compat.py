@@ -8,6 +8,8 @@ checks it).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "default_store",
     "StorageWeakRef",
     "fsdp_groups",
+    "FsdpGroup",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -309,9 +312,22 @@ def default_store():
     return _get_default_store()
 
 
-def fsdp_groups(tensors) -> list[tuple[int, bool]]:
-    """(unsharded bytes, resharded after forward) of every FSDP2 parameter group of the model
-    whose unsharded parameters are among ``tensors`` (a compiled graph's inputs).
+class FsdpGroup(NamedTuple):
+    """One FSDP2 parameter group (a ``fully_shard`` unit) of the model a graph belongs to."""
+
+    nbytes: int
+    """Bytes of its unsharded parameters."""
+    resharded: bool
+    """Freed after the forward and all-gathered again for the backward (every group but the root, by default)."""
+    shapes: tuple
+    """Its parameters' shapes and dtypes: groups of identical layers have equal ones."""
+    in_graph: bool
+    """Some of its unsharded parameters are inputs of the graph."""
+
+
+def fsdp_groups(tensors) -> list[FsdpGroup]:
+    """Every FSDP2 parameter group of the model whose unsharded parameters are among ``tensors``
+    (a compiled graph's inputs).
 
     FSDP2 keeps its per-module state in the composable-API registry, and the root's
     context lists every state of its tree; its hooks all-gather and free the
@@ -326,21 +342,30 @@ def fsdp_groups(tensors) -> list[tuple[int, bool]]:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     wanted = {id(t) for t in tensors}
+
+    def holds_inputs(group) -> bool:
+        return any(id(getattr(p, "_unsharded_param", None)) in wanted for p in group.fsdp_params)
+
     for ref in list(_composable_state._module_state_mapping.values()):
         state = ref() if callable(ref) else ref
         if not isinstance(state, FSDPState):
             continue
         group = state._fsdp_param_group
-        if group is None or not any(id(getattr(p, "_unsharded_param", None)) in wanted for p in group.fsdp_params):
+        if group is None or not holds_inputs(group):
             continue
         states = state._state_ctx.all_states or [state]
         out = []
         for each in {id(s): s for s in states}.values():
             g = each._fsdp_param_group
             if g is not None:
-                nbytes = sum(
-                    p._orig_size.numel() * (p.param_dtype or p.sharded_param.dtype).itemsize for p in g.fsdp_params
+                dtypes = [p.param_dtype or p.sharded_param.dtype for p in g.fsdp_params]
+                out.append(
+                    FsdpGroup(
+                        sum(p._orig_size.numel() * d.itemsize for p, d in zip(g.fsdp_params, dtypes)),
+                        g.post_forward_mesh_info is not None,
+                        tuple((tuple(p._orig_size), str(d)) for p, d in zip(g.fsdp_params, dtypes)),
+                        holds_inputs(g),
+                    )
                 )
-                out.append((nbytes, g.post_forward_mesh_info is not None))
         return out
     return []

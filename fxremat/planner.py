@@ -456,10 +456,14 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     assert options.budget is not None
     if options.on_infeasible == "error":
         raise BudgetError(options.budget, least.peak + options.reserve, where=name)
-    outside = f" with {format_bytes(options.reserve)} reserved outside the graph" if options.reserve else ""
+    outside = (
+        f" ({format_bytes(budget)} after {format_bytes(options.reserve)} reserved outside the graph)"
+        if options.reserve
+        else ""
+    )
     why = (
-        f"budget {format_bytes(options.budget)} is below the least reachable peak {format_bytes(least.peak)}"
-        f"{outside}; using the least-memory plan (on_infeasible='min')"
+        f"budget {format_bytes(options.budget)}{outside} is below the least reachable peak "
+        f"{format_bytes(least.peak)}; using the least-memory plan (on_infeasible='min')"
     )
     warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
     note = f"{why}; {note}" if note else why

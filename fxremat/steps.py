@@ -175,16 +175,25 @@ class TrackedGraph:
         if worst <= budget and calls <= planned:
             return
         if worst > budget:
+            if calls > planned:
+                why = (
+                    f"the graph ran {calls} times in this step, each earlier call holding its "
+                    f"{format_bytes(plan.saved_bytes)} of saved activations (a graph reused for every layer, e.g. "
+                    "graph breaks between layers or FSDP2 wrapping each one)"
+                )
+            else:
+                why = (
+                    f"its {calls} calls in this step ran while other graphs and the earlier calls' outputs held "
+                    f"up to {format_bytes(others)}"
+                )
             warnings.warn(
-                f"fxremat {plan.graph}: the graph ran {calls} times in this step, each earlier call holding its "
-                f"{format_bytes(plan.saved_bytes)} of saved activations (a graph reused for every layer, e.g. graph "
-                f"breaks between layers or FSDP2 wrapping each one): this step could peak "
-                f"{format_bytes(worst - budget)} above the budget {format_bytes(budget)}",
+                f"fxremat {plan.graph}: {why}: this step could peak {format_bytes(worst - budget)} above the "
+                f"budget {format_bytes(budget)} (after what is reserved outside the graph)",
                 stacklevel=3,
             )
             reserved = max(self.reserved.values(), default=0)
             self.ask(
-                f"it runs {calls} times in a step; planning it for that",
+                f"it runs {calls} times in a step, while other graphs hold memory; planning it for that",
                 repeats=max(calls, planned),
                 budget=max(1, user_budget - reserved - others),
             )
@@ -254,9 +263,9 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     Returns:
         The callable Dynamo runs in place of the graph.
     """
-    options = _with_fsdp_reserve(options, example_inputs)
-    graph = TrackedGraph(gm, options, compile_graph, replannable=options.budget is not None)
     calls = held() if options.budget is not None else []
+    options = _with_fsdp(options, example_inputs, first=not calls)
+    graph = TrackedGraph(gm, options, compile_graph, replannable=options.budget is not None)
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
     planned = options
     if not holding:
@@ -284,8 +293,10 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
             )
             warnings.warn(
                 f"fxremat: a graph compiled after {', '.join(holders)} in one step (a graph break) needs "
-                f"{format_bytes(need)} while they hold {format_bytes(holding)}: this first step can peak "
-                f"{format_bytes(holding + need - budget)} above the budget {format_bytes(budget)}; "
+                f"{format_bytes(need)} while they hold {format_bytes(holding)}"
+                + (f" and {format_bytes(planned.reserve)} is reserved outside the graphs" if planned.reserve else "")
+                + f": this first step can peak {format_bytes(holding + need + planned.reserve - budget)} above the "
+                f"budget {format_bytes(budget)}; "
                 "the graphs holding the memory are planned again for the next steps.",
                 stacklevel=3,
             )
@@ -334,21 +345,37 @@ def fsdp_reserve(inputs) -> int:
     reduce-scatter's copy of their gradients and its result; measured on a
     one-group model, 89.7 KB for 27.4 KB of graph and 25.3 KB of parameters).
     """
-    groups = fsdp_groups(inputs)
-    kept = sum(nbytes for nbytes, resharded in groups if not resharded)
-    largest = max((nbytes for nbytes, resharded in groups if resharded), default=0)
+    return _fsdp_room(fsdp_groups(inputs))
+
+
+def _fsdp_room(groups) -> int:
+    kept = sum(g.nbytes for g in groups if not g.resharded)
+    largest = max((g.nbytes for g in groups if g.resharded), default=0)
     return kept + max(FSDP_RESHARDED_COPIES * largest, 2 * kept)
 
 
-def _with_fsdp_reserve(options: Options, inputs) -> Options:
-    """Under a budget and FSDP2: the options with FSDP's buffers reserved outside the graph."""
+def _fsdp_layers(groups) -> int:
+    """How many times a graph whose parameters are one resharded group runs in a step: once per
+    group of the same shapes (FSDP2 on each identical layer; Dynamo reuses the layer's graph)."""
+    mine = [g for g in groups if g.in_graph]
+    if len(mine) != 1 or not mine[0].resharded:
+        return 1
+    return sum(1 for g in groups if g.resharded and g.shapes == mine[0].shapes)
+
+
+def _with_fsdp(options: Options, inputs, first: bool) -> Options:
+    """Under a budget and FSDP2: the options with FSDP's buffers reserved outside the graph and,
+    for a layer's graph compiled while nothing of the step holds memory (``first``), planned
+    for every layer of its shapes from its first call (the first plan is an upper bound)."""
     if options.budget is None:
         return options
-    extra = fsdp_reserve(inputs)
+    groups = fsdp_groups(inputs)
+    extra = _fsdp_room(groups)
     if not extra:
         return options
     log.info("fxremat: reserving %s of the budget for FSDP2's unsharded parameters and buffers", format_bytes(extra))
-    return dataclasses.replace(options, reserve=options.reserve + extra)
+    layers = _fsdp_layers(groups) if first else 1
+    return dataclasses.replace(options, reserve=options.reserve + extra, repeats=max(options.repeats, layers))
 
 
 def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:

@@ -141,3 +141,22 @@ def test_collectives_are_never_recomputed():
     assert plan.recomputed, "the least plan recomputes something"
     assert not [r for r in plan.recomputed if "c10d" in r.op], [r.op for r in plan.recomputed]
     assert any("c10d" in r.op for r in plan.kept), [r.op for r in plan.kept]
+
+
+def test_fsdp2_room_and_layer_count_from_its_groups():
+    """The room left for FSDP2's buffers, and how often a layer's graph runs, from the model's groups."""
+    from fxremat import steps
+    from fxremat._torch_compat import FsdpGroup
+
+    layer = (((64, 64), "torch.float32"),)
+    groups = [
+        FsdpGroup(1000, False, (((10, 64), "torch.float32"),), False),  # the root: kept through the step
+        FsdpGroup(400, True, layer, True),  # the layer whose graph this is
+        FsdpGroup(400, True, layer, False),
+        FsdpGroup(400, True, layer, False),
+        FsdpGroup(300, True, (((8, 8), "torch.float32"),), False),  # another kind of layer
+    ]
+    assert steps._fsdp_room(groups) == 1000 + max(3 * 400, 2 * 1000)
+    assert steps._fsdp_layers(groups) == 3
+    assert steps._fsdp_layers([g._replace(in_graph=g.resharded is False) for g in groups]) == 1  # the root's graph
+    assert steps._fsdp_room([]) == 0 and steps._fsdp_layers([]) == 1
