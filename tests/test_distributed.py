@@ -298,5 +298,19 @@ def test_a_rank_that_plans_differently_follows_rank_0(runs, budget):
         torch.testing.assert_close(grads[name], p.grad, atol=ATOL, rtol=RTOL, msg=f"gradient of {name}")
 
 
+def test_the_readme_torchrun_example_runs_small():
+    """examples/distributed.py as the README launches it (torchrun, 2 ranks, FSDP2 Llama), small and eager:
+    its own checks (loss and gradients against one process, per-rank peak, equal plans) set its status."""
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "MASTER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["examples/distributed.py", "--small", "--inner", "eager", "--budget", "4MiB"]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "all checks passed" in run.stdout and "the same on all 2 ranks: True" in run.stdout
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]))
