@@ -38,7 +38,7 @@ from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize
 from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
-from .ranks import agree, graph_digest
+from . import ranks
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
@@ -289,9 +289,11 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
 
 def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str) -> Choice:
     """In a distributed job: rank 0's plan of this graph when this rank's differs (``ranks.agree``)."""
+    if ranks.distributed_rank() is None:
+        return choice  # not a job of several ranks: nothing to hash
     nodes = analysis.graph.nodes
     kept = tuple(nodes[i].name for i in choice.lowered.decision.kept)
-    theirs = agree(graph_digest(analysis.joint, options), kept, name)
+    theirs = ranks.agree(ranks.graph_digest(analysis.joint, options), kept, name)
     if theirs is None:
         return choice
     wanted = set(theirs)
