@@ -38,6 +38,7 @@ __all__ = [
     "inductor_graph_lowering",
     "inductor_program_events",
     "tree_leaves",
+    "tree_map",
     "OpOverload",
     "is_op_overload",
     "op_schema",
@@ -98,8 +99,8 @@ from torch._inductor.codegen.common import KernelArgs as inductor_kernel_args  #
 # Tests read which buffers Inductor's scheduler fused away (GraphLowering.removed_buffers).
 from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # noqa: E402
 
-# Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput).
-from torch.utils._pytree import tree_leaves  # noqa: E402
+# Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput), and mapping them.
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
 # A weak reference to a tensor's storage (C++ weak pointer): whether a graph's outputs are still
 # alive when the tensors the graph returned were replaced by views (FSDP2 wraps layer outputs).

@@ -11,15 +11,18 @@ activation is allocated, and the plan is the one ``torch.compile`` would make
 for the same graph and options. Only the forward's user-visible outputs are
 allocated (filled with zeros) so Python code between graphs can go on.
 
-A model too large to build can be planned from fake weights: build it under
-a ``FakeTensorMode()`` (PyTorch's fake tensors: weights and inputs then take no
-memory) and call ``explain`` as usual. A model on the ``meta`` device plans
-too, but there PyTorch traces SDPA attention as its math fallback (it saves
-the attention matrix), so fake CPU or CUDA tensors give the faithful plan.
+A model too large to build can be planned without its weights: build it on the
+meta device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)``),
+with inputs on meta too, and call ``explain`` as usual. ``explain`` plans a copy
+whose meta parameters, buffers and inputs are fake CPU tensors (PyTorch's fake
+tensors take no memory): Dynamo rejects a real meta tensor that meets a fake one
+(HF's cache starts from an empty meta tensor). A model built under a
+``FakeTensorMode()`` plans the same way.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 import warnings
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ._torch_compat import FakeTensor, tree_leaves
+from ._torch_compat import FakeTensor, FakeTensorMode, tree_leaves, tree_map
 from .backend import build_compiler
 from .options import Options
 from .plan import Plan
@@ -93,6 +96,44 @@ def _has_fake(model_or_fn, args) -> bool:
     return any(isinstance(t, FakeTensor) for t in _tensors(model_or_fn, args))
 
 
+def _has_meta(model_or_fn, args) -> bool:
+    tensors = _tensors(model_or_fn, args)
+    if isinstance(model_or_fn, torch.nn.Module):
+        tensors += list(model_or_fn.buffers())
+    return any(t.is_meta and not isinstance(t, FakeTensor) for t in tensors)
+
+
+def _from_meta(model_or_fn, args):
+    """A copy of a meta-device model, and the inputs, with every meta tensor a fake CPU tensor.
+
+    Copying a meta model costs no memory; tied parameters stay tied (one fake per
+    parameter object). Values do not exist either way: the plan needs shapes only.
+    """
+    mode = FakeTensorMode()
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            with mode:
+                out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                if isinstance(t, torch.nn.Parameter):
+                    out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+                elif t.requires_grad:
+                    out.requires_grad_(True)
+            made[id(t)] = out
+        return made[id(t)]
+
+    if isinstance(model_or_fn, torch.nn.Module):
+        model_or_fn = copy.deepcopy(model_or_fn)
+        for module in model_or_fn.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and t.is_meta and not isinstance(t, FakeTensor):
+                        table[name] = fake(t)
+    args = tree_map(lambda a: fake(a) if isinstance(a, torch.Tensor) and a.is_meta else a, args)
+    return model_or_fn, args
+
+
 def _largest(found: list[Plan]) -> Plan:
     if not found:
         raise RuntimeError(
@@ -132,6 +173,8 @@ def explain(model_or_fn, *args, budget=None, **options) -> Plan:
     mapping = dict(options)
     if budget is not None:
         mapping["budget"] = budget
+    if _has_meta(model_or_fn, args):
+        model_or_fn, args = _from_meta(model_or_fn, args)
     return _largest(_plan(model_or_fn, args, _options(model_or_fn, args, mapping)))
 
 
@@ -207,6 +250,8 @@ def pareto(model_or_fn, *args, points: int = 8, **options) -> list[ParetoPoint]:
     if points < 2:
         raise ValueError(f"points={points} must be at least 2")
     options.pop("budget", None)
+    if _has_meta(model_or_fn, args):
+        model_or_fn, args = _from_meta(model_or_fn, args)
     opts = _options(model_or_fn, args, options)
     base = _largest(_plan(model_or_fn, args, opts))
     problem = base.problem
