@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         whole = whole.to(device)
         mine = whole.chunk(world)[rank]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the first step reports its re-plans as warnings
+            warnings.simplefilter("ignore")  # torch's own notes while compiling; fxremat's are shown (once)
+            warnings.filterwarnings("default", message="fxremat")
             loss = compiled(input_ids=mine, labels=mine).loss
             loss.backward()
         ref_loss = reference(input_ids=whole, labels=whole).loss
@@ -142,6 +143,12 @@ def main(argv=None) -> int:
         say(f"rank {r}: measured peak {format_bytes(peak)} ({peak / budget:.0%} of the budget){'' if ok else '  OVER'}")
         if not ok:
             failures.append(f"rank {r}: measured peak {format_bytes(peak)} over the budget {format_bytes(budget)}")
+    short = [p.graph for p in plans if not p.feasible]
+    if short and any(peak is not None and peak > budget for peak in peaks):
+        failures.append(
+            f"{', '.join(short)} run their least-memory plans: the budget is below what this step reaches "
+            "(fxremat warned above); raise --budget"
+        )
     if any(f != fingerprints[0] for f in fingerprints):
         failures.append(f"the ranks run different plans: {fingerprints}")
     say(f"plans (the same on all {world} ranks: {all(f == fingerprints[0] for f in fingerprints)}):")

@@ -7,16 +7,21 @@ different collectives: PyTorch had to broadcast rank 0's recompute decision
 for that reason. So when ``torch.distributed`` is initialised with more than
 one rank, each graph fxremat plans is checked at compile time:
 
-- rank 0 publishes its graph's digest and its plan (the kept values' names)
-  in the process group's key-value store, and never waits;
-- every other rank reads rank 0's entry for the same graph (same digest, the
-  same how-many-th time planned): equal plans go on; a different plan is
-  replaced by rank 0's, with a warning (once per process; later ones are
-  logged). A rank whose graph differs from every graph rank 0 planned waits
-  ``sync_timeout()`` seconds at most, then keeps its own plan, loudly.
+- rank 0 publishes its plan (the kept values' names) in the process group's
+  key-value store under the digest of the graph and the options it was planned
+  with, and never waits;
+- every other rank reads rank 0's entry for the same digest: equal plans go on;
+  a different plan is replaced by rank 0's, with a warning (once per process;
+  later ones are logged). A rank whose graph or options differ from every one
+  rank 0 planned (a budget left by graphs that held other amounts on another
+  rank) waits ``sync_timeout()`` seconds at most, then keeps its own plan, loudly.
 
 The store, not a collective, carries it: a rank that compiles a graph the
-others do not (a recompile on one rank) never blocks the others.
+others do not (a recompile on one rank) never blocks the others. Entries are
+not counted: the same graph under the same options gives the same plan, so a
+later publication of the same digest only repeats the first (counting plans
+per rank desynchronised when runtime observations re-planned a graph on one
+rank and not the other, and the waiting rank stalled a collective).
 """
 
 from __future__ import annotations
@@ -48,17 +53,17 @@ log = logging.getLogger("fxremat")
 
 # How long a rank waits for rank 0's plan of a graph. Ranks start compiling a graph together
 # (after the same collectives); planning times differ by seconds. The wait only runs out when
-# rank 0 never plans that graph (the ranks' graphs differ), and then costs this once.
-SYNC_TIMEOUT_S = 300.0
+# rank 0 never plans that graph under those options, and then costs this once per graph: it
+# must stay well under the collectives' timeout of the rank waiting for this one.
+SYNC_TIMEOUT_S = 60.0
 ENV_SYNC_TIMEOUT = "FXREMAT_RANK_SYNC_TIMEOUT"
 KEY_PREFIX = "fxremat/plan/"
 
-_planned: dict[str, int] = {}  # digest -> how many times this process has planned it
 _warned = False
 
 
 def sync_timeout() -> float:
-    """Seconds a rank waits for rank 0's plan (``FXREMAT_RANK_SYNC_TIMEOUT``, default 300)."""
+    """Seconds a rank waits for rank 0's plan (``FXREMAT_RANK_SYNC_TIMEOUT``, default 60)."""
     raw = os.environ.get(ENV_SYNC_TIMEOUT)
     if raw is None:
         return SYNC_TIMEOUT_S
@@ -108,9 +113,7 @@ def agree(digest: str, kept: tuple[str, ...], where: str) -> tuple[str, ...] | N
     rank = distributed_rank()
     if rank is None:
         return None
-    seen = _planned.get(digest, 0)
-    _planned[digest] = seen + 1
-    key = f"{KEY_PREFIX}{digest}/{seen}"
+    key = f"{KEY_PREFIX}{digest}"
     store = default_store()
     if rank == 0:
         store.set(key, json.dumps(list(kept)))
