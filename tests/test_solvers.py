@@ -301,6 +301,18 @@ def assert_valid(p: RematProblem, d: Decision) -> None:
     assert list(d.kept) == sorted(d.kept) and list(d.recomputed) == sorted(d.recomputed)
 
 
+def assert_exact(d: Decision, truth: Truth, budget) -> bool:
+    """``d`` is the fastest plan that fits (True), or, when none fits, reports the least peak (False)."""
+    best = truth.fastest(budget)
+    if best is None:
+        assert not d.feasible
+        assert d.peak_bytes == truth.least_peak
+        return False
+    assert d.feasible and (budget is None or d.peak_bytes <= budget)
+    assert d.recompute_seconds == pytest.approx(best, abs=1e-9)
+    return True
+
+
 def same(a: Decision, b: Decision) -> bool:
     return replace(a, solve_seconds=0.0) == replace(b, solve_seconds=0.0)
 
@@ -379,13 +391,7 @@ def test_ilp_equals_brute_force(p, data):
     budget = data.draw(budgets(truth))
     d = solve_ilp(p, budget, OPTIONS)
     assert_valid(p, d)
-    best = truth.fastest(budget)
-    if best is None:
-        assert not d.feasible
-        assert d.peak_bytes == truth.least_peak
-    else:
-        assert d.feasible and (budget is None or d.peak_bytes <= budget)
-        assert d.recompute_seconds == pytest.approx(best, abs=1e-9)
+    if assert_exact(d, truth, budget):
         assert d.gap == 0.0
 
 
