@@ -280,8 +280,10 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
             graph.compiled, graph.plan = compile_graph(gm, example_inputs, planned)
         except BudgetError as exc:
             need = exc.least_peak - planned.reserve  # the graph's own least peak
-            if need > budget:
-                raise BudgetError(budget, need, where=f"a graph run while {', '.join(holders)} hold memory") from None
+            if need + planned.reserve > budget:
+                raise BudgetError(
+                    budget, need + planned.reserve, where=f"a graph run while {', '.join(holders)} hold memory"
+                ) from None
             planned = dataclasses.replace(planned, on_infeasible="min")
             graph.compiled, graph.plan = compile_graph(copy.deepcopy(graph.source), example_inputs, planned)
             _reserve(
