@@ -306,7 +306,7 @@ def test_the_readme_torchrun_example_runs_small():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["examples/distributed.py", "--small", "--inner", "eager", "--budget", "4MiB"]
+    cmd += ["examples/distributed.py", "--small", "--inner", "eager", "--budget", "4MiB", "--steps", "2"]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "all checks passed" in run.stdout and "the same on all 2 ranks: True" in run.stdout

@@ -43,13 +43,12 @@ def test_a_meta_model_plans_like_a_fake_one_and_stays_on_meta():
     with FakeTensorMode():
         fake = Tied()
         fake_ids = torch.randint(0, 512, (4, 64))
-    for budget in (None, 1):
-        a = _explain(meta, ids, budget=budget, on_infeasible="min")
-        b = _explain(fake, fake_ids, budget=budget, on_infeasible="min")
-        assert (a.predicted_peak, a.fingerprint()) == (b.predicted_peak, b.fingerprint())
+    a = _explain(meta, ids, budget=1, on_infeasible="min")
+    b = _explain(fake, fake_ids, budget=1, on_infeasible="min")
+    assert (a.predicted_peak, a.fingerprint()) == (b.predicted_peak, b.fingerprint())
     assert all(p.is_meta for p in meta.parameters()) and meta.scale.is_meta
     assert meta.head.weight is meta.embed.weight
-    points = fxremat.pareto(meta, ids, points=2, inner="eager")
+    points = fxremat.pareto(meta, ids, points=2, inner="eager", time_slack=0)
     assert points and all(p.predicted_peak > 0 for p in points)
 
 
