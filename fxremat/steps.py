@@ -36,7 +36,6 @@ __all__ = [
     "running_plans",
     "TrackedGraph",
     "REPLAN_MIN_SHARE",
-    "fsdp_reserve",
     "FSDP_RESHARDED_COPIES",
 ]
 
@@ -337,20 +336,13 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
 FSDP_RESHARDED_COPIES = 3
 
 
-def fsdp_reserve(inputs) -> int:
-    """Bytes FSDP2's hooks hold outside fxremat's graphs at a step's peak, for the model whose
-    graph takes ``inputs`` (0 without FSDP2).
-
-    The unsharded parameters of the groups not resharded after the forward, plus
-    the larger of: ``FSDP_RESHARDED_COPIES`` times the largest resharded group's
-    (a layer's backward), or twice those kept groups' bytes (the step's end: the
-    reduce-scatter's copy of their gradients and its result; measured on a
-    one-group model, 89.7 KB for 27.4 KB of graph and 25.3 KB of parameters).
-    """
-    return _fsdp_room(fsdp_groups(inputs))
-
-
 def _fsdp_room(groups) -> int:
+    """Bytes FSDP2's hooks hold outside fxremat's graphs at a step's peak, from the model's groups
+    (0 without FSDP2): the unsharded parameters of the groups not resharded after the forward,
+    plus the larger of ``FSDP_RESHARDED_COPIES`` times the largest resharded group's (a layer's
+    backward), or twice those kept groups' bytes (the step's end: the reduce-scatter's copy of
+    their gradients and its result; measured on a one-group model, 89.7 KB for 27.4 KB of graph
+    and 25.3 KB of parameters)."""
     kept = sum(g.nbytes for g in groups if not g.resharded)
     largest = max((g.nbytes for g in groups if g.resharded), default=0)
     return kept + max(FSDP_RESHARDED_COPIES * largest, 2 * kept)
