@@ -47,7 +47,7 @@ no-budget: $(STAMP)
 	$(PY) benchmarks/zoo.py --setup-timm
 	$(PY) benchmarks/no_budget.py
 
-# 500 random models and budgets (make test runs 25).
+# 500 random models and budgets (make test runs 15).
 fuzz: $(STAMP)
 	FXREMAT_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
 
