@@ -42,7 +42,6 @@ from . import ranks
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
-from .solvers.schedule import decision as make_decision
 from .solvers.types import Decision, SolveOptions
 
 __all__ = [
@@ -296,11 +295,8 @@ def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str
     theirs = ranks.agree(ranks.graph_digest(analysis.joint, options), kept, name)
     if theirs is None:
         return choice
-    wanted = set(theirs)
-    ids = [i for i, n in enumerate(nodes) if n.name in wanted]
-    problem = analysis.graph.problem
-    lowered = lower(analysis, make_decision(problem, ids, options.budget, "rank 0"), options)
-    fits = options.budget is None or lowered.peak <= options.budget
+    lowered = lower(analysis, as_decision(analysis.graph, theirs, "rank 0", "", options.budget), options)
+    fits = options.budget is None or lowered.peak <= options.budget - options.reserve
     note = f"rank 0's plan: this rank had planned another ({choice.lowered.decision.solver}, {len(kept)} kept)"
     return replace(choice, lowered=lowered, fits=fits, note="; ".join(filter(None, [note, choice.note])))
 

@@ -73,12 +73,18 @@ def _pytorch_saved(
     return tuple(n.name for n in saved if isinstance(n, fx.Node))
 
 
-def as_decision(graph: ProblemGraph, names: tuple[str, ...]) -> Decision:
+def as_decision(
+    graph: ProblemGraph,
+    names: tuple[str, ...],
+    solver: str = "pytorch:mincut",
+    note: str = "PyTorch's own partition (plain torch.compile's)",
+    budget: int | None = None,
+) -> Decision:
     """The kept set of those names in the planner's problem, closed and simulated."""
     problem = graph.problem
     wanted = set(names)
     kept = [i for i, n in enumerate(graph.nodes) if n.name in wanted and problem.phase[i] == FORWARD]
-    return decision(problem, kept, None, "pytorch:mincut", note="PyTorch's own partition (plain torch.compile's)")
+    return decision(problem, kept, budget, solver, note=note)
 
 
 def pointwise_only(graph: ProblemGraph, costs: dict[fx.Node, NodeCost]) -> RematProblem:
