@@ -30,7 +30,9 @@ from ._torch_compat import (
     torch_version_ok,
 )
 from .budget import BudgetError
+from .chunking import compile_choosing_chunks
 from .options import Options
+from .passes.chunk_loss import ChunkNote, noting
 from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
@@ -126,7 +128,10 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
         """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""
-        with watch() as planned:
+        return compile_choosing_chunks(gm, example_inputs, options, compile_watched)
+
+    def compile_watched(gm: fx.GraphModule, example_inputs, options: Options, notes: tuple[ChunkNote, ...]):
+        with watch() as planned, noting(notes):
             compiled = compile_inner(gm, example_inputs, options)
         return compiled, (planned[-1][2] if planned else None)
 

@@ -53,6 +53,8 @@ class BudgetError(ValueError, ShortenTraceback):
     Attributes:
         budget: the budget asked for, in bytes.
         least_peak: the least predicted peak fxremat found, in bytes.
+        where: the graph it was planning ("" when not known).
+        why: what sets that least peak, when fxremat knows (the logits of an unchunked loss).
 
     Example:
         >>> try:
@@ -61,9 +63,11 @@ class BudgetError(ValueError, ShortenTraceback):
         ...     plan = fxremat.explain(model, x, budget=e.least_peak)   # the tightest plan that fits
     """
 
-    def __init__(self, budget: int, least_peak: int, where: str = "") -> None:
+    def __init__(self, budget: int, least_peak: int, where: str = "", why: str = "") -> None:
         self.budget = budget
         self.least_peak = least_peak
+        self.where = where
+        self.why = why
         self.first_useful_frame = None
         place = f" for {where}" if where else ""
         ValueError.__init__(
@@ -71,7 +75,7 @@ class BudgetError(ValueError, ShortenTraceback):
             f"budget {budget} bytes ({format_bytes(budget)}) is below the least reachable peak{place}: "
             f"{least_peak} bytes ({format_bytes(least_peak)}). Raise the budget to at least "
             f"{format_bytes(least_peak)}, shrink the batch or sequence, or pass on_infeasible='min' "
-            f"to use the least-memory plan with a warning.",
+            f"to use the least-memory plan with a warning." + (f" {why}" if why else ""),
         )
 
 

@@ -89,6 +89,13 @@ class Options:
     the later ones run, so a plan is judged at its peak plus ``repeats - 1`` times its saved
     bytes. 1 (default): fxremat counts the calls in the first step and, under a budget, plans
     such a graph again with the count it saw."""
+    chunk_loss: str | int = "auto"
+    """Compute an LM head and its cross-entropy a chunk of tokens at a time, so the logits'
+    vocabulary-sized copies (fp32 logits, log-softmax, their gradient) never exist whole
+    (``passes/chunk_loss.py``). "auto" (default): under a budget, when no plan fits without
+    it, or when it makes the plan that fits faster; never without a budget. "off": never
+    (a ``BudgetError`` then names the logits when they are why the budget is out of reach).
+    An int >= 2: always, in that many chunks."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
@@ -188,6 +195,14 @@ def _count(name: str, value) -> int:
     return value
 
 
+def _chunks(name: str, value) -> str | int:
+    if value in ("auto", "off"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"{name}={value!r} is not valid; pass 'auto', 'off' or a number of chunks (an int >= 2)")
+    return value
+
+
 def _path(name: str, value) -> str | None:
     if value is None:
         return None
@@ -208,6 +223,7 @@ _VALIDATE = {
     "time_slack": _share,
     "repeats": _count,
     "reserve": _reserve,
+    "chunk_loss": _chunks,
     "dump_dir": _path,
     "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
 }

@@ -134,6 +134,9 @@ class Plan:
     reserved_bytes: int = 0
     """Bytes of the budget left for memory the step holds outside this graph (``Options.reserve``;
     under FSDP2, its unsharded parameters and gradient buffers): the graph was planned under the rest."""
+    chunked: tuple[str, ...] = ()
+    """One line per loss computed a chunk of tokens at a time (``Options.chunk_loss``): where, how many
+    chunks, the least peak planned without chunking when known, and the time it adds."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: RematProblem | None = field(default=None, repr=False, compare=False)
@@ -218,6 +221,7 @@ class Plan:
                 if self.reserved_bytes
                 else []
             ),
+            *(f"  chunked loss            {line}" for line in self.chunked),
             f"  largest tensor          {format_bytes(self.largest[2]):>12}  ({self.largest[0]} in {self.largest[1] or '<top>'})",
             "Weights, optimizer state, the gradients returned and what the loss needs (a language model's logits)"
             " exist whatever the plan; remat only trades saved activations for recompute time.",

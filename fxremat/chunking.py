@@ -1,0 +1,153 @@
+"""Whether to compute a graph's loss a chunk of tokens at a time (``Options.chunk_loss``), by planning.
+
+``passes/chunk_loss.py`` finds the LM head + cross-entropy sites of Dynamo's graph and
+rewrites them; this module decides, with the planner's own numbers:
+
+- "off": never; a ``BudgetError`` says when the logits are why the budget is out of reach.
+- an int: always, in that many chunks.
+- "auto": with no budget, never (chunking adds the head's matmul again in the backward and
+  saves memory nobody asked for). Under a budget the unchunked graph is planned first; the
+  chunked one is planned too when no unchunked plan fits, or when the unchunked plan fits only by
+  recomputing more (estimated) time than the chunked head adds and the logits are a real share
+  of the budget. The plan that fits, then the faster (recompute plus the head's extra matmul), runs;
+  the other is dropped from ``fxremat.plans()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable
+
+import torch.fx as fx
+
+from .budget import BudgetError, format_bytes
+from .hardware import get_hardware
+from .options import Options
+from .passes.chunk_loss import ChunkNote, LossSite, chunk_count, chunk_losses, find_loss_sites, note_for
+from .plan import Plan
+from .recorder import forget
+
+__all__ = ["compile_choosing_chunks", "LOGITS_MIN_SHARE"]
+
+log = logging.getLogger("fxremat")
+
+# "auto" plans a chunked candidate beside a plan that fits only when one fp32 copy of the logits is
+# at least this share of the budget: below it, chunking moves too little memory to pay for a second
+# plan (and compile). The same share decides whether a BudgetError names the logits.
+LOGITS_MIN_SHARE = 0.05
+
+# (gm, example_inputs, options, chunk notes for the plan) -> (compiled, plan or None)
+CompileOne = Callable[[fx.GraphModule, list, Options, tuple[ChunkNote, ...]], tuple[Callable, "Plan | None"]]
+
+
+def compile_choosing_chunks(
+    gm: fx.GraphModule, example_inputs: list, options: Options, compile_one: CompileOne
+) -> tuple[Callable, Plan | None]:
+    """Compile ``gm``, its losses chunked or not as ``options.chunk_loss`` and the plans decide.
+
+    Args:
+        gm: Dynamo's graph (rewritten in place when chunked).
+        example_inputs: its example inputs.
+        options: the options it is planned under.
+        compile_one: compiles one version of the graph and returns its plan.
+
+    Returns:
+        (the compiled graph, its plan).
+
+    Raises:
+        BudgetError: no plan fits, chunked or not (``on_infeasible="error"``).
+    """
+    sites = find_loss_sites(gm)
+    if not sites:
+        return compile_one(gm, example_inputs, options, ())
+    if options.chunk_loss == "off":
+        try:
+            return compile_one(gm, example_inputs, options, ())
+        except BudgetError as exc:
+            raise _naming_logits(exc, sites) from None
+    if isinstance(options.chunk_loss, int):
+        return _chunked(gm, example_inputs, options, sites, compile_one, options.chunk_loss, None)
+    counts = [chunk_count(site) for site in sites]
+    if options.budget is None or max(counts) < 2:
+        return compile_one(gm, example_inputs, options, ())
+    source = copy.deepcopy(gm)
+    try:
+        compiled, plan = compile_one(gm, example_inputs, options, ())
+    except BudgetError as exc:
+        log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))
+        try:
+            return _chunked(source, example_inputs, options, sites, compile_one, None, exc.least_peak)
+        except BudgetError as chunked_exc:
+            raise BudgetError(
+                chunked_exc.budget,
+                chunked_exc.least_peak,
+                where=chunked_exc.where,
+                why=f"That is with the loss chunked ({_sites(sites)}); without chunking the least is "
+                f"{format_bytes(exc.least_peak)}.",
+            ) from None
+    if plan is None:
+        return compiled, plan
+    extra = _extra_seconds(sites, options)
+    logits = max(site.logits_bytes() for site in sites)
+    if plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * options.budget):
+        return compiled, plan  # fits whole; chunking would only cost time
+    chunked, chunked_plan = _chunked(source, example_inputs, options, sites, compile_one, None, plan.predicted_peak)
+    if chunked_plan is None:
+        return compiled, plan
+    if _better(chunked_plan, extra, plan):
+        forget(plan)
+        return chunked, chunked_plan
+    forget(chunked_plan)
+    return compiled, plan
+
+
+def _better(chunked: Plan, extra: float, whole: Plan) -> bool:
+    """The chunked plan runs when it fits and the whole one does not, or both fit and it is faster."""
+    if chunked.feasible != whole.feasible:
+        return chunked.feasible
+    if not whole.feasible:
+        return chunked.predicted_peak < whole.predicted_peak
+    return chunked.recompute_seconds + extra < whole.recompute_seconds
+
+
+def _chunked(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    options: Options,
+    sites: list[LossSite],
+    compile_one: CompileOne,
+    chunks: int | None,
+    unchunked_peak: int | None,
+) -> tuple[Callable, Plan | None]:
+    counts = {site.loss.name: chunk_count(site, chunks) for site in sites}
+    # The sites of this graph (a copy of the one they were found in): matched by node name.
+    mine = find_loss_sites(gm)
+    notes = tuple(note_for(site, counts[site.loss.name], unchunked_peak) for site in mine if counts[site.loss.name] > 1)
+    chunk_losses(gm, {site.loss: counts[site.loss.name] for site in mine})
+    return compile_one(gm, example_inputs, options, notes)
+
+
+def _extra_seconds(sites: list[LossSite], options: Options) -> float:
+    """Estimated time chunking adds: each head's matmul once more, in the backward."""
+    flops = sum(note_for(site, chunk_count(site)).extra_flops for site in sites)
+    return flops / get_hardware(options.hardware).peak_flops
+
+
+def _sites(sites: list[LossSite]) -> str:
+    return ", ".join(f"{note_for(site, chunk_count(site)).site} in {chunk_count(site)} chunks" for site in sites)
+
+
+def _naming_logits(exc: BudgetError, sites: list[LossSite]) -> BudgetError:
+    """The same error, naming the logits when they are a real share of the least peak."""
+    site = max(sites, key=lambda s: s.logits_bytes())
+    if site.logits_bytes() < LOGITS_MIN_SHARE * exc.least_peak:
+        return exc
+    where = note_for(site, 1).site
+    why = (
+        f"The loss sets part of that floor: {where} makes vocabulary-sized tensors ({site.tokens} tokens x "
+        f"{site.vocab} classes, {format_bytes(site.logits_bytes())} each in fp32: the logits, their log-softmax, "
+        "their gradient) that no plan can recompute away. chunk_loss='auto' (the default) or a number of chunks "
+        "computes the loss a chunk of tokens at a time."
+    )
+    return BudgetError(exc.budget, exc.least_peak, where=exc.where, why=why)

@@ -1,0 +1,454 @@
+"""Chunk the LM head and its cross-entropy: the vocabulary-sized tensors exist a chunk of tokens at a time.
+
+Recomputation cannot shrink a language model's loss: the logits (tokens x vocabulary),
+their fp32 copy, the log-softmax saved for the backward and the logits' gradient are
+each one vocabulary-sized tensor. This pass finds, in Dynamo's graph (before
+AOTAutograd), a ``cross_entropy`` whose input is the output of a ``linear`` (the LM
+head) reached through row-wise ops only (``float``/``to``, ``view``/``reshape`` that keep
+the vocabulary dimension, ``contiguous``, slices of the token dimensions), and replaces
+the loss by ``chunked_cross_entropy``: an autograd function that walks the tokens in
+chunks. Its forward keeps one log-sum-exp per token; its backward computes each chunk's
+logits again from the LM head's input and weight and turns them into that chunk's
+gradient at once. AOTAutograd traces it like any other code, so the joint graph the
+planner sees holds the chunks, unrolled, and the memory model prices them as usual. Its
+CSE makes each backward chunk of logits the forward's own node, so whether a chunk is
+kept or recomputed is the planner's keep-or-recompute decision, like any activation's.
+
+When the logits are also a graph output (``model(...).logits``) the function makes them
+whole in its forward (they are returned) and reads the loss's chunks from them; its
+backward adds their gradient a chunk at a time and recomputes each chunk from the hidden
+states, so nothing vocabulary-sized is saved for it (the head's matmul runs once more).
+A cross-entropy whose input is a graph input (the loss compiled apart from the head,
+after a graph break) is chunked over its rows the same way, without a head to recompute.
+
+``torch.nn.functional.linear_cross_entropy``'s chunked path is not used: it computes
+the gradients inside its forward and writes them in place in its backward, which
+``torch.compile`` cannot trace (it falls back to eager at that op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = [
+    "LossSite",
+    "ChunkNote",
+    "find_loss_sites",
+    "chunk_losses",
+    "chunked_cross_entropy",
+    "chunk_count",
+    "noting",
+    "current_notes",
+]
+
+log = logging.getLogger(__name__)
+
+# Chunks the "auto" choice aims for: the loss region's vocabulary-sized tensors become 1/16
+# of their size, the figure issue 16 asks of the loss region (8x smaller at least) with room
+# for the chunk's own temporaries.
+AUTO_CHUNKS = 16
+# Fewer token rows than this per chunk and the LM head's matmuls run below their speed
+# (measured on this machine's CPU: 64 rows x 256 x 32k is within 10% of 1024 rows per row).
+MIN_ROWS_PER_CHUNK = 64
+
+_LINEAR = {torch._C._nn.linear, F.linear}
+_CROSS_ENTROPY = {F.cross_entropy}
+# Methods and functions that act on each token row alone (keep the last dimension).
+_CASTS = {"float", "to", "contiguous", "type_as"}
+_RESHAPES = {"view", "reshape"}
+
+
+@dataclass(frozen=True)
+class LossSite:
+    """One cross-entropy the pass can chunk.
+
+    Attributes:
+        loss: the ``cross_entropy`` node.
+        head: the LM head's ``linear`` node, or None when the loss's input is a graph input.
+        hidden: the head's input (the hidden states) or, without a head, the logits input.
+        weight: the head's weight node (None without a head).
+        bias: the head's bias node, if any.
+        tokens: rows of the loss's input (tokens across the batch).
+        vocab: the vocabulary size (the loss's classes).
+        logits_escape: the head's output has users other than the loss (a graph output).
+    """
+
+    loss: fx.Node
+    head: fx.Node | None
+    hidden: fx.Node
+    weight: fx.Node | None
+    bias: fx.Node | None
+    tokens: int
+    vocab: int
+    logits_escape: bool
+
+    def logits_bytes(self) -> int:
+        """Bytes of the loss's input in fp32: the size of each vocabulary-sized tensor it makes."""
+        return self.tokens * self.vocab * 4
+
+
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _shape(node) -> torch.Size:
+    """The shape of a node ``_val`` has checked."""
+    val = _val(node)
+    assert val is not None
+    return val.shape
+
+
+def _row_wise(node: fx.Node, vocab: int) -> fx.Node | None:
+    """The input of ``node`` when ``node`` acts on each last-dimension row alone, else None."""
+    val = _val(node)
+    if val is None or val.dim() < 1 or val.shape[-1] != vocab:
+        return None
+    if node.op == "call_method" and node.target in _CASTS | _RESHAPES:
+        source = node.args[0]
+        if isinstance(source, fx.Node) and _val(source) is not None and _shape(source)[-1] == vocab:
+            if node.target == "to" and any(isinstance(a, torch.device) for a in node.args[1:]):
+                return None
+            return source
+        return None
+    if node.op == "call_function" and node.target is operator.getitem:
+        source, index = node.args
+        if not isinstance(source, fx.Node) or _val(source) is None:
+            return None
+        index = index if isinstance(index, tuple) else (index,)
+        # Slices of leading (token) dimensions only; a site whose rows then differ from the
+        # head's input rows is not chunked (find_loss_sites checks the counts).
+        if not all(i is Ellipsis or (isinstance(i, slice) and i.step in (None, 1)) for i in index):
+            return None
+        whole_last = index[-1] == slice(None) or (Ellipsis not in index and len(index) < len(_shape(source)))
+        return source if whole_last else None
+    return None
+
+
+def find_loss_sites(gm: fx.GraphModule) -> list[LossSite]:
+    """The cross-entropies of ``gm`` whose vocabulary-sized input the pass can chunk.
+
+    Args:
+        gm: a graph Dynamo captured (torch-level calls, ``example_value`` metadata).
+
+    Returns:
+        One ``LossSite`` per chunkable cross-entropy, in graph order.
+    """
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _CROSS_ENTROPY:
+            continue
+        site = _site(node)
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+def _site(loss: fx.Node) -> LossSite | None:
+    logits, target = (list(loss.args) + [loss.kwargs.get("target")])[:2]
+    if not isinstance(logits, fx.Node):
+        return None
+    val, labels = _val(logits), _val(target)
+    if val is None or labels is None or val.dim() != 2 or labels.dim() != 1 or labels.dtype != torch.int64:
+        return None  # class probabilities, K-dimensional losses: not chunked
+    if loss.kwargs.get("weight") is not None or len(loss.args) > 2:
+        return None  # class weights change the normaliser; not chunked
+    if loss.kwargs.get("reduction", "mean") not in ("mean", "sum"):
+        return None
+    tokens, vocab = int(val.shape[0]), int(val.shape[1])
+    node = logits
+    while True:
+        if node.op == "placeholder":
+            return LossSite(loss, None, logits, None, None, tokens, vocab, logits_escape=False)
+        if node.op == "call_function" and node.target in _LINEAR:
+            hidden, weight = node.args[0], node.args[1]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            wval = _val(weight)
+            if not isinstance(hidden, fx.Node) or not isinstance(weight, fx.Node) or _val(hidden) is None:
+                return None
+            if bias is not None and not isinstance(bias, fx.Node):
+                return None
+            if wval is None or wval.dim() != 2 or wval.shape[0] != vocab:
+                return None
+            if _shape(hidden)[:-1].numel() != tokens:
+                return None  # a slice between head and loss: the rows no longer line up
+            escape = _escapes(node, loss)
+            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, logits_escape=escape)
+        source = _row_wise(node, vocab)
+        if source is None:
+            return None
+        node = source
+
+
+def _escapes(head: fx.Node, loss: fx.Node) -> bool:
+    """Whether anything but the row-wise chain into ``loss`` reads the head's output."""
+    stack, seen = [head], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user is loss or user in seen:
+                continue
+            seen.add(user)
+            if _row_wise(user, _shape(head)[-1]) is node:
+                stack.append(user)
+            else:
+                return True
+    return False
+
+
+def chunk_count(site: LossSite, chunks: int | None = None) -> int:
+    """How many chunks: ``chunks`` if given, else ``AUTO_CHUNKS``, never below ``MIN_ROWS_PER_CHUNK`` rows."""
+    wanted = chunks if chunks is not None else AUTO_CHUNKS
+    if chunks is not None:
+        return max(1, min(wanted, site.tokens))
+    return max(1, min(wanted, site.tokens // MIN_ROWS_PER_CHUNK))
+
+
+def chunk_losses(gm: fx.GraphModule, chunks: dict[fx.Node, int]) -> int:
+    """Rewrite each site's loss in place to ``chunked_cross_entropy``.
+
+    Args:
+        gm: Dynamo's graph; changed in place and recompiled.
+        chunks: each site's loss node to its number of chunks (>= 2 to chunk it).
+
+    Returns:
+        How many losses were rewritten.
+    """
+    done = 0
+    for site in find_loss_sites(gm):
+        n = chunks.get(site.loss, 1)
+        if n < 2:
+            continue
+        _rewrite(gm, site, n)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
+    graph = gm.graph
+    loss = site.loss
+    chain = loss.args[0]
+    target = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
+    loss_val = _val(loss)
+    assert isinstance(chain, fx.Node) and loss_val is not None
+    head = site.head
+    with graph.inserting_before(loss):
+        if head is None:
+            hidden: fx.Node = chain
+        else:
+            hidden = graph.call_method("reshape", (site.hidden, -1, _shape(site.hidden)[-1]))
+        new = graph.call_function(
+            chunked_cross_entropy,
+            (hidden, site.weight, site.bias, target),
+            {
+                "chunks": n,
+                "ignore_index": loss.kwargs.get("ignore_index", -100),
+                "reduction": loss.kwargs.get("reduction", "mean"),
+                "label_smoothing": float(loss.kwargs.get("label_smoothing", 0.0)),  # type: ignore[arg-type]
+                "dtype": loss_val.dtype,
+                "return_logits": site.logits_escape,
+            },
+        )
+        out = new
+        if site.logits_escape:
+            out = graph.call_function(operator.getitem, (new, 0))
+            logits = graph.call_function(operator.getitem, (new, 1))
+            logits = graph.call_method("view", (logits, *_shape(head)))
+    out.meta = dict(loss.meta)
+    loss.replace_all_uses_with(out)
+    graph.erase_node(loss)
+    # The row-wise chain from the head to the loss, now unread.
+    node: fx.Node | None = chain if head is not None else None
+    while node is not None and node is not head and not node.users:
+        source = node.args[0]
+        graph.erase_node(node)
+        node = source if isinstance(source, fx.Node) else None
+    if head is not None:
+        # The function makes the logits the head's other users read (a graph output), in the same
+        # pass that makes the loss: the head's own matmul goes.
+        if head.users:
+            head.replace_all_uses_with(logits)
+        graph.erase_node(head)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    chunks: int = AUTO_CHUNKS,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    return_logits: bool = False,
+):
+    """``cross_entropy(linear(hidden, weight, bias).to(dtype), target)`` a chunk of rows at a time.
+
+    Args:
+        hidden: ``(tokens, hidden)`` inputs of the head, or ``(tokens, vocab)`` logits when
+            ``weight`` is None.
+        weight: the head's ``(vocab, hidden)`` weight, or None.
+        bias: the head's bias, or None.
+        target: ``(tokens,)`` class indices; ``ignore_index`` rows count for nothing.
+        chunks: how many chunks of rows.
+        ignore_index, reduction, label_smoothing: as in ``torch.nn.functional.cross_entropy``
+            (reduction "mean" or "sum").
+        dtype: the dtype the loss is computed in (the dtype of cross-entropy's input).
+        return_logits: also return the head's whole output (the model returns it); the
+            backward adds its gradient a chunk at a time and still saves nothing of it.
+
+    Returns:
+        The loss, a scalar of ``dtype``; with ``return_logits``, (loss, logits).
+
+    Example:
+        >>> loss = chunked_cross_entropy(h.reshape(-1, 256), lm_head.weight, None, labels.reshape(-1), chunks=8)
+    """
+    return _ChunkedCrossEntropy.apply(
+        hidden, weight, bias, target, chunks, ignore_index, reduction, label_smoothing, dtype, return_logits
+    )
+
+
+def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    size = -(-rows // chunks)
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, chunks, ignore_index, reduction, smoothing, dtype, return_logits):
+        rows = hidden.shape[0]
+        vocab = weight.shape[0] if weight is not None else hidden.shape[1]
+        valid = target != ignore_index
+        safe = torch.where(valid, target, 0)
+        logits = F.linear(hidden, weight, bias) if return_logits else None
+        total = None
+        lses = []
+        for start, end in _bounds(rows, chunks):
+            z = _chunk_logits(hidden, weight, bias, logits, start, end).float()
+            lse = torch.logsumexp(z, dim=-1)
+            picked = z.gather(1, safe[start:end].unsqueeze(1)).squeeze(1)
+            row_loss = lse - picked
+            if smoothing:
+                row_loss = (1.0 - smoothing) * row_loss + smoothing * (lse - z.mean(dim=-1))
+            part = torch.where(valid[start:end], row_loss, 0.0).sum()
+            total = part if total is None else total + part
+            lses.append(lse)
+        assert total is not None
+        lse_all = torch.cat(lses)
+        count = valid.sum()
+        loss = total / count if reduction == "mean" else total
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse_all, count)
+        ctx.config = (chunks, reduction, smoothing, vocab)
+        ctx.set_materialize_grads(False)
+        return (loss.to(dtype), logits) if return_logits else loss.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logits=None):
+        hidden, weight, bias, safe, valid, lse_all, count = ctx.saved_tensors
+        chunks, reduction, smoothing, vocab = ctx.config
+        if grad_loss is None:
+            grad_loss = torch.zeros((), dtype=lse_all.dtype, device=lse_all.device)
+        scale = grad_loss.float() / count if reduction == "mean" else grad_loss.float()
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_rows, grad_weight, grad_bias = [], None, None
+        for start, end in _bounds(hidden.shape[0], chunks):
+            z = _chunk_logits(hidden, weight, bias, None, start, end)
+            row_scale = torch.where(valid[start:end], scale, 0.0).unsqueeze(1)
+            # d loss / d z = softmax(z) - (1 - smoothing) * onehot(target) - smoothing / vocab, per counted row.
+            g = torch.exp(z.float() - lse_all[start:end].unsqueeze(1))
+            if smoothing:
+                g = g - smoothing / vocab
+            g = (g * row_scale).scatter_add(1, safe[start:end].unsqueeze(1), -(1.0 - smoothing) * row_scale)
+            if grad_logits is not None:
+                g = g + grad_logits[start:end]
+            g = g.to(z.dtype)
+            if weight is None:
+                grad_rows.append(g)
+                continue
+            if need_hidden:
+                grad_rows.append(g @ weight)
+            if need_weight:
+                h = hidden[start:end]
+                grad_weight = g.t() @ h if grad_weight is None else torch.addmm(grad_weight, g.t(), h)
+            if need_bias and bias is not None:
+                part = g.sum(0)
+                grad_bias = part if grad_bias is None else grad_bias + part
+        grad_hidden = torch.cat(grad_rows) if grad_rows else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _chunk_logits(hidden, weight, bias, logits, start, end):
+    """The logits of rows ``start:end``, in the head's dtype."""
+    if logits is not None:
+        return logits[start:end]
+    if weight is None:
+        return hidden[start:end]
+    return F.linear(hidden[start:end], weight, bias)
+
+
+@dataclass(frozen=True)
+class ChunkNote:
+    """What the plan says of one chunked loss.
+
+    Attributes:
+        site: where it is (``"lm_head + cross_entropy"``), from ``LossSite.describe``.
+        chunks: how many chunks of tokens.
+        tokens, vocab: the loss's rows and classes.
+        logits_bytes: one vocabulary-sized fp32 tensor of the unchunked loss.
+        extra_flops: what chunking adds outside the plan's recompute time: the head's matmul again
+            in the backward when the logits are also a graph output (``note_for``).
+        unchunked_peak: the least (or chosen) predicted peak without chunking, when it was planned.
+    """
+
+    site: str
+    chunks: int
+    tokens: int
+    vocab: int
+    logits_bytes: int
+    extra_flops: int
+    unchunked_peak: int | None = None
+
+
+_NOTES: contextvars.ContextVar[tuple[ChunkNote, ...]] = contextvars.ContextVar("fxremat_chunk_notes", default=())
+
+
+@contextlib.contextmanager
+def noting(notes: tuple[ChunkNote, ...]):
+    """Plans made inside the block describe these chunked losses (``Plan.chunked``)."""
+    token = _NOTES.set(notes)
+    try:
+        yield
+    finally:
+        _NOTES.reset(token)
+
+
+def current_notes() -> tuple[ChunkNote, ...]:
+    """The chunked losses of the graph being planned (empty outside ``noting``)."""
+    return _NOTES.get()
+
+
+def note_for(site: LossSite, chunks: int, unchunked_peak: int | None = None) -> ChunkNote:
+    """The ``ChunkNote`` of ``site`` cut into ``chunks``.
+
+    Without escaping logits, the backward's chunk of logits is the same expression as the forward's
+    (AOTAutograd's CSE makes them one node): keeping or recomputing each chunk is the planner's
+    choice, priced in the plan's recompute time. With them, the forward reads the whole logits and
+    the backward recomputes each chunk from the hidden states: the head's matmul once more.
+    """
+    where = f"{site.head.name} + cross_entropy" if site.head is not None else "cross_entropy"
+    hidden = _shape(site.hidden)[-1] if site.head is not None else 0
+    extra = 2 * site.tokens * hidden * site.vocab if site.logits_escape else 0
+    return ChunkNote(where, chunks, site.tokens, site.vocab, site.logits_bytes(), extra, unchunked_peak)

@@ -1,0 +1,220 @@
+"""The LM head and its cross-entropy computed a chunk of tokens at a time (``Options.chunk_loss``).
+
+``passes/chunk_loss.py`` rewrites the loss; ``fxremat/chunking.py`` decides, with the planner's
+numbers, whether it runs. Loss and gradients equal eager's in every case.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxremat
+from fxremat.passes.chunk_loss import chunked_cross_entropy, find_loss_sites
+
+from checks import compare
+
+H, V, T = 32, 4096, 256
+
+
+class LM(nn.Module):
+    """A loss-only language model: the logits exist only for the loss."""
+
+    def __init__(self, hidden: int = H, vocab: int = V, bias: bool = False, smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.head = nn.Linear(hidden, vocab, bias=bias)
+        self.smoothing = smoothing
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1), label_smoothing=self.smoothing)
+
+
+def _data(tokens: int = T, vocab: int = V, batch: int = 1):
+    torch.manual_seed(0)
+    x = torch.randn(batch, tokens, H)
+    y = torch.randint(0, vocab, (batch, tokens))
+    y[0, :7] = -100
+    return x, y
+
+
+# ---------------------------------------------------------------- the function alone
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_function_equals_linear_then_cross_entropy(bias, smoothing, reduction, return_logits):
+    torch.manual_seed(0)
+    rows, vocab = 37, 50  # 5 chunks of 8, 8, 8, 8, 5 rows
+    hidden = torch.randn(rows, 8, requires_grad=True)
+    weight = torch.randn(vocab, 8, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (rows,))
+    target[:4] = -100
+    ref_logits = F.linear(hidden, weight, b)
+    ref = F.cross_entropy(ref_logits, target, reduction=reduction, label_smoothing=smoothing)
+    ref_out = ref + (ref_logits.square().mean() if return_logits else 0)
+    inputs = [hidden, weight] + ([b] if bias else [])
+    ref_grads = torch.autograd.grad(ref_out, inputs)
+    out = chunked_cross_entropy(
+        hidden, weight, b, target, chunks=5, reduction=reduction, label_smoothing=smoothing, return_logits=return_logits
+    )
+    loss, logits = out if return_logits else (out, None)
+    torch.testing.assert_close(loss, ref)
+    total = loss + (logits.square().mean() if return_logits else 0)  # a gradient through the logits too
+    for got, want in zip(torch.autograd.grad(total, inputs), ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_function_without_a_head_chunks_the_logits_input():
+    torch.manual_seed(0)
+    logits = torch.randn(40, 30, requires_grad=True)
+    target = torch.randint(0, 30, (40,))
+    ref = torch.autograd.grad(F.cross_entropy(logits, target), logits)[0]
+    got = torch.autograd.grad(chunked_cross_entropy(logits, None, None, target, chunks=3), logits)[0]
+    torch.testing.assert_close(got, ref)
+
+
+def test_function_in_bfloat16_matches_eager_within_bfloat16():
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(100, 16, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 100, (64,))
+    ref = F.cross_entropy(F.linear(hidden, weight).float(), target)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    loss = chunked_cross_entropy(hidden, weight, None, target, chunks=4, dtype=torch.float32)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref)
+    for got, want in zip(torch.autograd.grad(loss, [hidden, weight]), ref_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------- finding the loss
+
+
+def _dynamo_graph(model, *args):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(*args)
+    return graphs
+
+
+def test_finds_the_head_and_whether_its_logits_escape():
+    (gm,) = _dynamo_graph(LM(), *_data())
+    (site,) = find_loss_sites(gm)
+    assert site.head is not None and (site.tokens, site.vocab) == (T, V)
+    assert site.logits_escape is False
+
+    class Both(LM):
+        def forward(self, x, y):
+            logits = self.head(self.body(x))
+            return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
+
+    (gm,) = _dynamo_graph(Both(), *_data())
+    (site,) = find_loss_sites(gm)
+    assert site.logits_escape is True
+
+
+def test_leaves_losses_it_cannot_chunk():
+    class Shifted(LM):  # the logits sliced along the tokens: rows no longer match the head's input
+        def forward(self, x, y):
+            logits = self.head(self.body(x))[:, :-1, :]
+            return F.cross_entropy(logits.reshape(-1, V), y[:, 1:].reshape(-1))
+
+    class Weighted(LM):  # class weights change the normaliser
+        def forward(self, x, y):
+            return F.cross_entropy(self.head(self.body(x)).view(-1, V), y.view(-1), weight=torch.ones(V))
+
+    for model in (Shifted(), Weighted()):
+        (gm,) = _dynamo_graph(model, *_data())
+        assert find_loss_sites(gm) == []
+
+
+# ---------------------------------------------------------------- compiled, planned
+
+
+def _step(model, x, y, **options):
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", **options})
+    loss = compiled(x, y)
+    loss.backward()
+    return compiled, loss
+
+
+@pytest.mark.parametrize("options", [{"chunk_loss": 4}, {"chunk_loss": 3, "release_outputs": True}])
+def test_compiled_chunked_loss_equals_eager(options):
+    x, y = _data(batch=2)
+    ref_model = LM(bias=True, smoothing=0.05)
+    model = copy.deepcopy(ref_model)
+    ref = ref_model(x, y)
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    _, loss = _step(model, x, y, **options)
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    (line,) = plan.chunked
+    assert f"{options['chunk_loss']} chunks" in line and f"x {V} classes" in line
+    assert "chunked loss" in str(plan) and list(plan.to_json()["chunked"]) == [line]
+
+
+def test_auto_chunks_when_no_plan_fits_whole_and_the_step_stays_under_the_budget():
+    x, y = _data()
+    budget = 8 << 20  # unchunked least 12.0 MiB; chunked in 4: 2.6 MiB
+    ref_model = LM()
+    model = copy.deepcopy(ref_model)
+    ref = ref_model(x, y)
+    ref.backward()
+    torch._dynamo.reset()
+    with pytest.raises(fxremat.BudgetError, match="chunk_loss='auto'") as info:
+        _step(copy.deepcopy(model), x, y, budget=budget, chunk_loss="off")
+    assert "4096 classes" in str(info.value)
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled, loss = _step(model, x, y, budget=budget)
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()  # the whole-loss attempt raised: nothing of it is recorded
+    assert plan.chunked and "vs unchunked" in plan.chunked[0]
+    model.zero_grad(set_to_none=True)
+    measured = fxremat.measure(lambda: compiled(x, y).backward())
+    assert measured.peak_bytes <= budget
+
+
+def test_auto_does_not_chunk_without_a_budget_or_when_the_whole_loss_fits():
+    x, y = _data()
+    for options in ({}, {"budget": 64 << 20}):
+        torch._dynamo.reset()
+        fxremat.clear_plans()
+        _step(LM(), x, y, **options)
+        (plan,) = fxremat.plans()
+        assert plan.chunked == ()
+
+
+def test_auto_never_leaves_two_plans_for_one_graph_under_on_infeasible_min():
+    x, y = _data()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(LM(), x, y, budget=1 << 20, on_infeasible="min")
+    (plan,) = fxremat.plans()
+    assert plan.chunked and not plan.feasible
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", 2.0, True])
+def test_chunk_loss_option_is_validated(value):
+    with pytest.raises(ValueError, match="chunk_loss"):
+        fxremat.Options.from_mapping({"chunk_loss": value})
