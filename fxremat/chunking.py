@@ -3,7 +3,8 @@
 ``passes/chunk_loss.py`` finds the LM head + cross-entropy sites of Dynamo's graph and
 rewrites them; this module decides, with the planner's own numbers:
 
-- "off": never; a ``BudgetError`` says when the logits are why the budget is out of reach.
+- "off": never, and the graph is left as Dynamo made it; a ``BudgetError`` says when the
+  logits are why the budget is out of reach.
 - an int: always, in that many chunks.
 - "auto": with no budget, never (chunking adds the head's matmul again in the backward and
   saves memory nobody asked for). Under a budget the unchunked graph is planned first; the
@@ -11,6 +12,9 @@ rewrites them; this module decides, with the planner's own numbers:
   recomputing more (estimated) time than the chunked head adds and the logits are a real share
   of the budget. The plan that fits, then the faster (recompute plus the head's extra matmul), runs;
   the other is dropped from ``fxremat.plans()``.
+
+Unless "off", logits the model returns leave the graph without a gradient path through it, chunked
+or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradient of zeros for them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ import torch.fx as fx
 from .budget import BudgetError, format_bytes
 from .hardware import get_hardware
 from .options import Options
-from .passes.chunk_loss import ChunkNote, LossSite, chunk_count, chunk_losses, find_loss_sites, note_for
+from .passes.chunk_loss import (
+    HEAD_GRADS,
+    ChunkNote,
+    LossSite,
+    chunk_count,
+    chunk_losses,
+    find_loss_sites,
+    note_for,
+    reattach_head_grads,
+)
 from .plan import Plan
 from .recorder import forget
 
@@ -67,17 +80,17 @@ def compile_choosing_chunks(
         except BudgetError as exc:
             raise _naming_logits(exc, sites) from None
     if isinstance(options.chunk_loss, int):
-        return _chunked(gm, example_inputs, options, sites, compile_one, options.chunk_loss, None)
+        return _compile_sites(gm, example_inputs, options, sites, compile_one, options.chunk_loss, None)
     counts = [chunk_count(site) for site in sites]
     if options.budget is None or max(counts) < 2:
-        return compile_one(gm, example_inputs, options, ())
+        return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     source = copy.deepcopy(gm)
     try:
-        compiled, plan = compile_one(gm, example_inputs, options, ())
+        compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:
         log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))
         try:
-            return _chunked(source, example_inputs, options, sites, compile_one, None, exc.least_peak)
+            return _compile_sites(source, example_inputs, options, sites, compile_one, None, exc.least_peak)
         except BudgetError as chunked_exc:
             raise BudgetError(
                 chunked_exc.budget,
@@ -92,7 +105,9 @@ def compile_choosing_chunks(
     logits = max(site.logits_bytes() for site in sites)
     if plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * options.budget):
         return compiled, plan  # fits whole; chunking would only cost time
-    chunked, chunked_plan = _chunked(source, example_inputs, options, sites, compile_one, None, plan.predicted_peak)
+    chunked, chunked_plan = _compile_sites(
+        source, example_inputs, options, sites, compile_one, None, plan.predicted_peak
+    )
     if chunked_plan is None:
         return compiled, plan
     if _better(chunked_plan, extra, plan):
@@ -111,7 +126,7 @@ def _better(chunked: Plan, extra: float, whole: Plan) -> bool:
     return chunked.recompute_seconds + extra < whole.recompute_seconds
 
 
-def _chunked(
+def _compile_sites(
     gm: fx.GraphModule,
     example_inputs: list,
     options: Options,
@@ -120,12 +135,16 @@ def _chunked(
     chunks: int | None,
     unchunked_peak: int | None,
 ) -> tuple[Callable, Plan | None]:
+    """Compile ``gm`` with its losses in ``chunks`` (None: ``AUTO_CHUNKS``; 1: whole), returned logits
+    leaving the graph without a gradient path either way (``chunk_losses``)."""
     counts = {site.loss.name: chunk_count(site, chunks) for site in sites}
     # The sites of this graph (a copy of the one they were found in): matched by node name.
     mine = find_loss_sites(gm)
     notes = tuple(note_for(site, counts[site.loss.name], unchunked_peak) for site in mine if counts[site.loss.name] > 1)
     chunk_losses(gm, {site.loss: counts[site.loss.name] for site in mine})
-    return compile_one(gm, example_inputs, options, notes)
+    compiled, plan = compile_one(gm, example_inputs, options, notes)
+    heads = gm.meta.get(HEAD_GRADS)
+    return (reattach_head_grads(compiled, heads) if heads else compiled), plan
 
 
 def _extra_seconds(sites: list[LossSite], options: Options) -> float:

@@ -28,6 +28,7 @@ import torch
 from ._torch_compat import FakeTensor, StorageWeakRef, fsdp_groups
 from .budget import BudgetError, format_bytes
 from .options import Options
+from .passes.chunk_loss import is_head_gradient
 from .plan import Plan
 
 __all__ = [
@@ -481,8 +482,12 @@ def _watch(out, args, graph: TrackedGraph) -> None:
 
 
 def _node(outputs) -> weakref.ref | None:
-    """A weak reference to the backward node of the call that made ``outputs``, when it can have one."""
-    for o in outputs:
+    """A weak reference to the backward node of the call that made ``outputs``, when it can have one.
+
+    Logits given their gradient path outside the graph (``chunk_loss.reattach_head_grads``) have
+    their own node, alive only as long as they are: another output's node stands for the call.
+    """
+    for o in sorted(outputs, key=lambda o: is_head_gradient(o.grad_fn)):
         try:
             return weakref.ref(o.grad_fn)
         except TypeError:  # a node type without weak references: liveness from the outputs alone

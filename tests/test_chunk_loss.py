@@ -171,6 +171,42 @@ def test_compiled_chunked_loss_equals_eager(options):
     assert "chunked loss" in str(plan) and list(plan.to_json()["chunked"]) == [line]
 
 
+class WithLogits(LM):
+    """Returns the logits too, as HF models do."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("through_logits", [False, True])
+@pytest.mark.parametrize("chunk_loss", [4, "auto"])
+def test_returned_logits_keep_their_gradient_path(through_logits, chunk_loss):
+    """The logits leave the graph without a gradient path (no zero gradient for them in its
+    backward) and get the head's own backward outside: a loss through them is still exact."""
+    x, y = _data()
+    ref_model = WithLogits(bias=True)
+    model = copy.deepcopy(ref_model)
+
+    def total(out):
+        loss, logits = out
+        return loss + (logits.square().mean() if through_logits else 0)
+
+    ref = total(ref_model(x, y))
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "chunk_loss": chunk_loss})
+    out = compiled(x, y)
+    torch.testing.assert_close(out[1], ref_model(x, y)[1])
+    loss = total(out)
+    loss.backward()
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    assert plan.tangent_bytes < T * V * 4  # no logits-sized gradient input, chunked or not
+    assert bool(plan.chunked) == (chunk_loss == 4)
+
+
 def test_auto_chunks_when_no_plan_fits_whole_and_the_step_stays_under_the_budget():
     x, y = _data()
     budget = 8 << 20  # unchunked least 12.0 MiB; chunked in 4: 2.6 MiB

@@ -47,6 +47,9 @@ __all__ = [
     "chunk_count",
     "noting",
     "current_notes",
+    "reattach_head_grads",
+    "is_head_gradient",
+    "HEAD_GRADS",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,9 @@ class LossSite:
         tokens: rows of the loss's input (tokens across the batch).
         vocab: the vocabulary size (the loss's classes).
         logits_escape: the head's output has users other than the loss (a graph output).
+        logits_to_output_only: those other users are the graph's output alone (no op in the
+            graph reads the logits): the logits can leave the compiled graph without a gradient
+            path through it (``reattach_head_grads``).
     """
 
     loss: fx.Node
@@ -89,6 +95,7 @@ class LossSite:
     tokens: int
     vocab: int
     logits_escape: bool
+    logits_to_output_only: bool = False
 
     def logits_bytes(self) -> int:
         """Bytes of the loss's input in fp32: the size of each vocabulary-sized tensor it makes."""
@@ -181,11 +188,27 @@ def _site(loss: fx.Node) -> LossSite | None:
             if _shape(hidden)[:-1].numel() != tokens:
                 return None  # a slice between head and loss: the rows no longer line up
             escape = _escapes(node, loss)
-            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, logits_escape=escape)
+            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, escape, _only_output(node, loss))
         source = _row_wise(node, vocab)
         if source is None:
             return None
         node = source
+
+
+def _only_output(head: fx.Node, loss: fx.Node) -> bool:
+    """Whether the head's output itself is a graph output and nothing else but the loss's chain reads it."""
+    vocab = _shape(head)[-1]
+    stack, outside = [head], []
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user is loss:
+                continue
+            if _row_wise(user, vocab) is node and user.op != "output":
+                stack.append(user)
+            else:
+                outside.append((node, user))
+    return bool(outside) and all(node is head and user.op == "output" for node, user in outside)
 
 
 def _escapes(head: fx.Node, loss: fx.Node) -> bool:
@@ -213,26 +236,62 @@ def chunk_count(site: LossSite, chunks: int | None = None) -> int:
 
 
 def chunk_losses(gm: fx.GraphModule, chunks: dict[fx.Node, int]) -> int:
-    """Rewrite each site's loss in place to ``chunked_cross_entropy``.
+    """Rewrite each site's loss in place to ``chunked_cross_entropy``; let returned logits leave without a gradient path.
+
+    A site with 2 chunks or more is chunked. Every site whose logits are also returned (and read by
+    nothing else in the graph) returns them without a gradient path through the graph, chunked or
+    not: the graph returns the head's input as one more output and ``reattach_head_grads`` gives
+    the logits the head's own backward outside it, so the backward takes no logits-sized gradient
+    of zeros (what autograd hands a graph for an output nobody differentiated).
 
     Args:
         gm: Dynamo's graph; changed in place and recompiled.
-        chunks: each site's loss node to its number of chunks (>= 2 to chunk it).
+        chunks: each site's loss node to its number of chunks (>= 2 to chunk it; absent: 1).
 
     Returns:
-        How many losses were rewritten.
+        How many losses were chunked.
     """
     done = 0
+    changed = False
     for site in find_loss_sites(gm):
         n = chunks.get(site.loss, 1)
-        if n < 2:
-            continue
-        _rewrite(gm, site, n)
-        done += 1
-    if done:
+        if n >= 2:
+            _rewrite(gm, site, n)
+            done += 1
+            changed = True
+        elif _detachable(gm, site):
+            assert site.head is not None
+            with gm.graph.inserting_after(site.head):
+                detached = gm.graph.call_method("detach", (site.head,))
+            with gm.graph.inserting_after(detached):
+                hidden = gm.graph.call_method("reshape", (site.hidden, -1, _shape(site.hidden)[-1]))
+            _leave_without_grad(gm, site, site.head, detached, hidden)
+            changed = True
+    if changed:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _detachable(gm: fx.GraphModule, site: LossSite) -> bool:
+    """Whether ``site``'s logits can leave the graph without a gradient path (``chunk_losses``)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return (
+        site.logits_to_output_only and site.weight in placeholders and (site.bias is None or site.bias in placeholders)
+    )
+
+
+def _leave_without_grad(gm: fx.GraphModule, site: LossSite, returned: fx.Node, detached: fx.Node, hidden: fx.Node):
+    """The graph returns ``detached`` where it returned ``returned``, and ``hidden`` last; noted in its meta."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outs = output.args[0]
+    assert isinstance(outs, (tuple, list))
+    positions = tuple(i for i, a in enumerate(outs) if a is returned)
+    output.args = (type(outs)([detached if a is returned else a for a in outs] + [hidden]),)
+    weight = placeholders.index(site.weight)
+    bias = placeholders.index(site.bias) if site.bias is not None else None
+    gm.meta.setdefault(HEAD_GRADS, []).append(HeadGrad(positions, weight, bias))
 
 
 def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
@@ -243,6 +302,8 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
     loss_val = _val(loss)
     assert isinstance(chain, fx.Node) and loss_val is not None
     head = site.head
+    # Logits that only leave the graph leave it without a gradient path through it (chunk_losses).
+    detach = _detachable(gm, site)
     with graph.inserting_before(loss):
         if head is None:
             hidden: fx.Node = chain
@@ -258,6 +319,7 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
                 "label_smoothing": float(loss.kwargs.get("label_smoothing", 0.0)),  # type: ignore[arg-type]
                 "dtype": loss_val.dtype,
                 "return_logits": site.logits_escape,
+                "logits_grad": not detach,
             },
         )
         out = new
@@ -280,6 +342,67 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         if head.users:
             head.replace_all_uses_with(logits)
         graph.erase_node(head)
+    if detach:
+        _leave_without_grad(gm, site, logits, logits, hidden)
+
+
+HEAD_GRADS = "fxremat_head_grads"
+"""Key in a chunked Dynamo graph's meta: a ``HeadGrad`` per head whose logits leave the graph without a
+gradient path; the graph returns each head's input as one more output, last, in this order."""
+
+
+@dataclass(frozen=True)
+class HeadGrad:
+    """Where a head's logits leave the graph, and where its weight and bias come in."""
+
+    outputs: tuple[int, ...]
+    weight: int
+    bias: int | None
+
+
+def reattach_head_grads(compiled, heads: list[HeadGrad]):
+    """Wrap a compiled chunked graph: each head's logits get their gradient path back, outside the graph.
+
+    The graph returns the logits without one (no vocabulary-sized zero gradient for them in
+    its backward) and each head's input as an extra output; ``_HeadGradient`` gives the
+    logits the head's own backward: ``model(x).logits`` differentiates as before.
+    """
+
+    def run(*args):
+        outs = list(compiled(*args))
+        hidden = outs[len(outs) - len(heads) :]
+        del outs[len(outs) - len(heads) :]
+        for head, h in zip(heads, hidden):
+            bias = args[head.bias] if head.bias is not None else None
+            for i in head.outputs:
+                outs[i] = _HeadGradient.apply(outs[i], h, args[head.weight], bias)
+        return outs
+
+    return run
+
+
+def is_head_gradient(node) -> bool:
+    """Whether an autograd node is ``reattach_head_grads``'s (its life is the logits', not the graph's)."""
+    return isinstance(node, _HeadGradient._backward_cls)
+
+
+class _HeadGradient(torch.autograd.Function):
+    """Identity on the logits whose backward is the head's: ``linear(hidden, weight, bias)``."""
+
+    @staticmethod
+    def forward(ctx, logits, hidden, weight, bias):
+        ctx.save_for_backward(hidden, weight)
+        ctx.has_bias = bias is not None
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0]).to(weight.dtype)
+        grad_hidden = (g @ weight).view(hidden.shape) if ctx.needs_input_grad[1] else None
+        grad_weight = g.t() @ hidden if ctx.needs_input_grad[2] else None
+        grad_bias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_hidden, grad_weight, grad_bias
 
 
 def chunked_cross_entropy(
@@ -294,6 +417,7 @@ def chunked_cross_entropy(
     label_smoothing: float = 0.0,
     dtype: torch.dtype = torch.float32,
     return_logits: bool = False,
+    logits_grad: bool = True,
 ):
     """``cross_entropy(linear(hidden, weight, bias).to(dtype), target)`` a chunk of rows at a time.
 
@@ -309,6 +433,8 @@ def chunked_cross_entropy(
         dtype: the dtype the loss is computed in (the dtype of cross-entropy's input).
         return_logits: also return the head's whole output (the model returns it); the
             backward adds its gradient a chunk at a time and still saves nothing of it.
+        logits_grad: with ``return_logits``, whether the logits are differentiable here (False: they
+            are marked non-differentiable; ``reattach_head_grads`` gives them a gradient path).
 
     Returns:
         The loss, a scalar of ``dtype``; with ``return_logits``, (loss, logits).
@@ -317,7 +443,17 @@ def chunked_cross_entropy(
         >>> loss = chunked_cross_entropy(h.reshape(-1, 256), lm_head.weight, None, labels.reshape(-1), chunks=8)
     """
     return _ChunkedCrossEntropy.apply(
-        hidden, weight, bias, target, chunks, ignore_index, reduction, label_smoothing, dtype, return_logits
+        hidden,
+        weight,
+        bias,
+        target,
+        chunks,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        dtype,
+        return_logits,
+        logits_grad,
     )
 
 
@@ -328,7 +464,9 @@ def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, chunks, ignore_index, reduction, smoothing, dtype, return_logits):
+    def forward(
+        ctx, hidden, weight, bias, target, chunks, ignore_index, reduction, smoothing, dtype, return_logits, logits_grad
+    ):
         rows = hidden.shape[0]
         vocab = weight.shape[0] if weight is not None else hidden.shape[1]
         valid = target != ignore_index
@@ -353,6 +491,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse_all, count)
         ctx.config = (chunks, reduction, smoothing, vocab)
         ctx.set_materialize_grads(False)
+        if return_logits and not logits_grad:
+            ctx.mark_non_differentiable(logits)
         return (loss.to(dtype), logits) if return_logits else loss.to(dtype)
 
     @staticmethod
@@ -387,7 +527,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 part = g.sum(0)
                 grad_bias = part if grad_bias is None else grad_bias + part
         grad_hidden = torch.cat(grad_rows) if grad_rows else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _chunk_logits(hidden, weight, bias, logits, start, end):
