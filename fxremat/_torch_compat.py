@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "SUPPORTED_TORCH",
+    "DYNAMO_LINEAR",
     "torch_version_ok",
     "aot_autograd",
     "compile_fx",
@@ -101,6 +102,10 @@ from torch._inductor.graph import GraphLowering as inductor_graph_lowering  # no
 
 # Leaves of nested outputs and inputs (lists, tuples, dicts, HF ModelOutput), and mapping them.
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
+
+# Dynamo records nn.Linear's call as the C binding torch._C._nn.linear (F.linear is that same
+# object): the target the loss-chunking pass looks for in Dynamo's graph.
+DYNAMO_LINEAR = torch._C._nn.linear
 
 # A weak reference to a tensor's storage (C++ weak pointer): whether a graph's outputs are still
 # alive when the tensors the graph returned were replaced by views (FSDP2 wraps layer outputs).

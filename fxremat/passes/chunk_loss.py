@@ -38,6 +38,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .._torch_compat import DYNAMO_LINEAR
+
 __all__ = [
     "LossSite",
     "ChunkNote",
@@ -62,7 +64,7 @@ AUTO_CHUNKS = 16
 # (measured on this machine's CPU: 64 rows x 256 x 32k is within 10% of 1024 rows per row).
 MIN_ROWS_PER_CHUNK = 64
 
-_LINEAR = {torch._C._nn.linear, F.linear}
+_LINEAR = {DYNAMO_LINEAR, F.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
 # Methods and functions that act on each token row alone (keep the last dimension).
 _CASTS = {"float", "to", "contiguous", "type_as"}
