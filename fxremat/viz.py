@@ -215,7 +215,8 @@ def timeline_png(plan, path: str | os.PathLike, *, measured=None, references: Ma
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_xlabel("step (forward and backward each normalised to unit length)")
     budget = "none" if plan.budget is None else format_bytes(plan.budget)
-    ax.set_title(f"{plan.graph}: predicted peak {format_bytes(plan.predicted_peak)}, budget {budget}")
+    chunked = "".join(f"\nloss in chunks: {line.split(' (')[0]}" for line in plan.chunked)
+    ax.set_title(f"{plan.graph}: predicted peak {format_bytes(plan.predicted_peak)}, budget {budget}{chunked}")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=8)

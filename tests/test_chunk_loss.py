@@ -7,6 +7,7 @@ numbers, whether it runs. Loss and gradients equal eager's in every case.
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -155,7 +156,7 @@ def _step(model, x, y, **options):
 
 
 @pytest.mark.parametrize("options", [{"chunk_loss": 4}, {"chunk_loss": 3, "release_outputs": True}])
-def test_compiled_chunked_loss_equals_eager(options):
+def test_compiled_chunked_loss_equals_eager(options, tmp_path):
     x, y = _data(batch=2)
     ref_model = LM(bias=True, smoothing=0.05)
     model = copy.deepcopy(ref_model)
@@ -169,6 +170,8 @@ def test_compiled_chunked_loss_equals_eager(options):
     (line,) = plan.chunked
     assert f"{options['chunk_loss']} chunks" in line and f"x {V} classes" in line
     assert "chunked loss" in str(plan) and list(plan.to_json()["chunked"]) == [line]
+    plan.save(tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text())["chunked"] == [line]
 
 
 class WithLogits(LM):
