@@ -7,17 +7,17 @@ AOTAutograd), a ``cross_entropy`` whose input is the output of a ``linear`` (the
 head) reached through row-wise ops only (``float``/``to``, ``view``/``reshape`` that keep
 the vocabulary dimension, ``contiguous``, slices of the token dimensions), and replaces
 the loss by ``chunked_cross_entropy``: an autograd function that walks the tokens in
-chunks. Its forward keeps one log-sum-exp per token; its backward computes each chunk's
-logits again from the LM head's input and weight and turns them into that chunk's
-gradient at once. AOTAutograd traces it like any other code, so the joint graph the
-planner sees holds the chunks, unrolled, and the memory model prices them as usual. Its
-CSE makes each backward chunk of logits the forward's own node, so whether a chunk is
-kept or recomputed is the planner's keep-or-recompute decision, like any activation's.
+chunks in its forward, keeping one log-sum-exp per token, and walks the vocabulary in its
+backward: each slice of classes has its logits made again for all tokens, turned into
+their gradient at once, and multiplied out into that slice of the weight's gradient (made
+once, never accumulated) and into the hidden states' gradient (tokens x hidden, summed).
+AOTAutograd traces it like any other code, so the joint graph the planner sees holds the
+chunks, unrolled, and the memory model prices them as usual.
 
 When the logits are also a graph output (``model(...).logits``) the function makes them
 whole in its forward (they are returned) and reads the loss's chunks from them; its
-backward adds their gradient a chunk at a time and recomputes each chunk from the hidden
-states, so nothing vocabulary-sized is saved for it (the head's matmul runs once more).
+backward makes each slice again from the hidden states, so nothing vocabulary-sized is
+saved for it.
 A cross-entropy whose input is a graph input (the loss compiled apart from the head,
 after a graph break) is chunked over its rows the same way, without a head to recompute.
 
@@ -505,31 +505,51 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_loss = torch.zeros((), dtype=lse_all.dtype, device=lse_all.device)
         scale = grad_loss.float() / count if reduction == "mean" else grad_loss.float()
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_rows, grad_weight, grad_bias = [], None, None
-        for start, end in _bounds(hidden.shape[0], chunks):
-            z = _chunk_logits(hidden, weight, bias, None, start, end)
-            row_scale = torch.where(valid[start:end], scale, 0.0).unsqueeze(1)
-            # d loss / d z = softmax(z) - (1 - smoothing) * onehot(target) - smoothing / vocab, per counted row.
-            g = torch.exp(z.float() - lse_all[start:end].unsqueeze(1))
-            if smoothing:
-                g = g - smoothing / vocab
-            g = (g * row_scale).scatter_add(1, safe[start:end].unsqueeze(1), -(1.0 - smoothing) * row_scale)
+        row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+        if weight is None:
+            # The loss's input is the logits: its gradient is the output, made a chunk of rows at a time.
+            rows = []
+            for start, end in _bounds(hidden.shape[0], chunks):
+                g = _logits_grad(
+                    hidden[start:end], lse_all[start:end], safe[start:end], row_scale[start:end], 0, smoothing, vocab
+                )
+                if grad_logits is not None:
+                    g = g + grad_logits[start:end]
+                rows.append(g.to(hidden.dtype))
+            return torch.cat(rows), None, None, *(None,) * 8
+        # With a head, the backward walks the vocabulary: each slice of the weight's gradient is made once
+        # (nothing vocabulary x hidden is accumulated), the hidden states' gradient (tokens x hidden) is.
+        grad_hidden, weight_parts, bias_parts = None, [], []
+        for start, end in _bounds(vocab, chunks):
+            z = F.linear(hidden, weight[start:end], bias[start:end] if bias is not None else None)
+            g = _logits_grad(z, lse_all, safe, row_scale, start, smoothing, vocab)
             if grad_logits is not None:
-                g = g + grad_logits[start:end]
+                g = g + grad_logits[:, start:end]
             g = g.to(z.dtype)
-            if weight is None:
-                grad_rows.append(g)
-                continue
             if need_hidden:
-                grad_rows.append(g @ weight)
+                part = g @ weight[start:end]
+                grad_hidden = part if grad_hidden is None else grad_hidden + part
             if need_weight:
-                h = hidden[start:end]
-                grad_weight = g.t() @ h if grad_weight is None else torch.addmm(grad_weight, g.t(), h)
+                weight_parts.append(g.t() @ hidden)
             if need_bias and bias is not None:
-                part = g.sum(0)
-                grad_bias = part if grad_bias is None else grad_bias + part
-        grad_hidden = torch.cat(grad_rows) if grad_rows else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+                bias_parts.append(g.sum(0))
+        grad_weight = torch.cat(weight_parts) if weight_parts else None
+        grad_bias = torch.cat(bias_parts) if bias_parts else None
+        return grad_hidden, grad_weight, grad_bias, *(None,) * 8
+
+
+def _logits_grad(z, lse, safe, row_scale, first_class, smoothing, vocab):
+    """d loss / d z for logits ``z`` of classes ``first_class:first_class + z.shape[1]``, in fp32.
+
+    ``softmax(z) - (1 - smoothing) * onehot(target) - smoothing / vocab``, times each row's scale
+    (0 for ignored rows).
+    """
+    g = torch.exp(z.float() - lse.unsqueeze(1))
+    if smoothing:
+        g = g - smoothing / vocab
+    classes = torch.arange(first_class, first_class + z.shape[1], device=z.device)
+    hit = (safe.unsqueeze(1) == classes.unsqueeze(0)).to(g.dtype)
+    return (g - (1.0 - smoothing) * hit) * row_scale
 
 
 def _chunk_logits(hidden, weight, bias, logits, start, end):
@@ -550,8 +570,8 @@ class ChunkNote:
         chunks: how many chunks of tokens.
         tokens, vocab: the loss's rows and classes.
         logits_bytes: one vocabulary-sized fp32 tensor of the unchunked loss.
-        extra_flops: what chunking adds outside the plan's recompute time: the head's matmul again
-            in the backward when the logits are also a graph output (``note_for``).
+        extra_flops: what chunking adds outside the plan's recompute time: the head's matmul again,
+            in the backward (``note_for``).
         unchunked_peak: the least (or chosen) predicted peak without chunking, when it was planned.
     """
 
@@ -585,12 +605,10 @@ def current_notes() -> tuple[ChunkNote, ...]:
 def note_for(site: LossSite, chunks: int, unchunked_peak: int | None = None) -> ChunkNote:
     """The ``ChunkNote`` of ``site`` cut into ``chunks``.
 
-    Without escaping logits, the backward's chunk of logits is the same expression as the forward's
-    (AOTAutograd's CSE makes them one node): keeping or recomputing each chunk is the planner's
-    choice, priced in the plan's recompute time. With them, the forward reads the whole logits and
-    the backward recomputes each chunk from the hidden states: the head's matmul once more.
+    With a head, the backward makes the logits again, a slice of the vocabulary at a time: the
+    head's matmul once more (``extra_flops``). Without one there is nothing to make again.
     """
     where = f"{site.head.name} + cross_entropy" if site.head is not None else "cross_entropy"
     hidden = _shape(site.hidden)[-1] if site.head is not None else 0
-    extra = 2 * site.tokens * hidden * site.vocab if site.logits_escape else 0
+    extra = 2 * site.tokens * hidden * site.vocab
     return ChunkNote(where, chunks, site.tokens, site.vocab, site.logits_bytes(), extra, unchunked_peak)
