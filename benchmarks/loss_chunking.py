@@ -259,7 +259,7 @@ def render(results: list[dict]) -> str:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    old = doc.read_text()
+    old = doc.read_text() if doc.exists() else ""
     if BEGIN in old:
         head, rest = old.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
