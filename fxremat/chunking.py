@@ -154,7 +154,8 @@ def _extra_seconds(sites: list[LossSite], options: Options) -> float:
 
 
 def _sites(sites: list[LossSite]) -> str:
-    return ", ".join(f"{note_for(site, chunk_count(site)).site} in {chunk_count(site)} chunks" for site in sites)
+    notes = (note_for(site, chunk_count(site)) for site in sites)
+    return ", ".join(f"{note.site} in {note.chunks} chunks" for note in notes)
 
 
 def _naming_logits(exc: BudgetError, sites: list[LossSite]) -> BudgetError:

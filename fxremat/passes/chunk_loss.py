@@ -64,7 +64,7 @@ AUTO_CHUNKS = 16
 # (measured on this machine's CPU: 64 rows x 256 x 32k is within 10% of 1024 rows per row).
 MIN_ROWS_PER_CHUNK = 64
 
-_LINEAR = {DYNAMO_LINEAR, F.linear}
+_LINEAR = {DYNAMO_LINEAR}  # F.linear is the same object
 _CROSS_ENTROPY = {F.cross_entropy}
 # Methods and functions that act on each token row alone (keep the last dimension).
 _CASTS = {"float", "to", "contiguous", "type_as"}
@@ -189,52 +189,38 @@ def _site(loss: fx.Node) -> LossSite | None:
                 return None
             if _shape(hidden)[:-1].numel() != tokens:
                 return None  # a slice between head and loss: the rows no longer line up
-            escape = _escapes(node, loss)
-            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, escape, _only_output(node, loss))
+            outside = _outside_readers(node, loss)
+            # Only the graph's output reads the head itself: the logits can leave without a gradient path.
+            only_output = bool(outside) and all(n is node and user.op == "output" for n, user in outside)
+            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, bool(outside), only_output)
         source = _row_wise(node, vocab)
         if source is None:
             return None
         node = source
 
 
-def _only_output(head: fx.Node, loss: fx.Node) -> bool:
-    """Whether the head's output itself is a graph output and nothing else but the loss's chain reads it."""
+def _outside_readers(head: fx.Node, loss: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(node, reader) for each read of the head's output, or of a row-wise view of it, outside the chain into ``loss``."""
     vocab = _shape(head)[-1]
-    stack, outside = [head], []
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user is loss:
-                continue
-            if _row_wise(user, vocab) is node and user.op != "output":
-                stack.append(user)
-            else:
-                outside.append((node, user))
-    return bool(outside) and all(node is head and user.op == "output" for node, user in outside)
-
-
-def _escapes(head: fx.Node, loss: fx.Node) -> bool:
-    """Whether anything but the row-wise chain into ``loss`` reads the head's output."""
-    stack, seen = [head], set()
+    stack, seen, outside = [head], set(), []
     while stack:
         node = stack.pop()
         for user in node.users:
             if user is loss or user in seen:
                 continue
             seen.add(user)
-            if _row_wise(user, _shape(head)[-1]) is node:
+            if _row_wise(user, vocab) is node:
                 stack.append(user)
             else:
-                return True
-    return False
+                outside.append((node, user))
+    return outside
 
 
 def chunk_count(site: LossSite, chunks: int | None = None) -> int:
     """How many chunks: ``chunks`` if given, else ``AUTO_CHUNKS``, never below ``MIN_ROWS_PER_CHUNK`` rows."""
-    wanted = chunks if chunks is not None else AUTO_CHUNKS
     if chunks is not None:
-        return max(1, min(wanted, site.tokens))
-    return max(1, min(wanted, site.tokens // MIN_ROWS_PER_CHUNK))
+        return max(1, min(chunks, site.tokens))
+    return max(1, min(AUTO_CHUNKS, site.tokens // MIN_ROWS_PER_CHUNK))
 
 
 def chunk_losses(gm: fx.GraphModule, chunks: dict[fx.Node, int]) -> int:
