@@ -390,14 +390,35 @@ def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, first)
         return options
     except BudgetError as exc:
-        held_least = exc.least_peak
-    dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
-    try:
-        graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, dropped)
-    except BudgetError:
-        # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
-        graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, options)
-        return options
+        held_error = exc
+    # Dropping the outputs frees at most their bytes: when even that cannot reach the budget,
+    # planning the graph that way again is wasted time (a scalar loss's graph, for one).
+    if held_error.least_peak - _output_bytes(graph.source) <= held_error.budget:
+        dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
+        try:
+            graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, dropped)
+        except BudgetError:
+            pass
+        else:
+            return _planned_released(graph, options, held_error.least_peak)
+    if options.on_infeasible == "error":
+        raise held_error  # what planning with the user's options raises again
+    # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
+    graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, options)
+    return options
+
+
+def _output_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of the graph's outputs, from Dynamo's example values (an upper bound: aliases counted apiece)."""
+    nodes: list[torch.fx.Node] = []
+    for out in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(out.args, nodes.append)
+    vals = [n.meta.get("example_value") for n in nodes]
+    return sum(v.untyped_storage().nbytes() for v in vals if isinstance(v, torch.Tensor))
+
+
+def _planned_released(graph: TrackedGraph, options: Options, held_least: int) -> Options:
+    """Mark ``graph`` as planned for callers that drop its outputs before the backward (checked there)."""
     graph.assumed_released = graph.released = True
     if graph.plan is not None:
         log.warning(

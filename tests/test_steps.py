@@ -172,3 +172,26 @@ def test_outputs_kept_against_that_assumption_warn_and_replan():
         loss, logits = compiled(x)  # planned again with the outputs alive: the least plan, loudly
     loss.backward()
     assert len(fxremat.plans()) == 2
+
+
+def test_a_budget_out_of_reach_either_way_is_refused_after_planning_once(monkeypatch):
+    """Dropping the outputs frees at most their bytes: no second plan when that cannot reach the budget,
+    and no third to raise the error the first already raised."""
+    import pytest
+
+    from fxremat import planner
+
+    calls = []
+    choose = planner.choose
+    monkeypatch.setattr(planner, "choose", lambda *a, **k: calls.append(1) or choose(*a, **k))
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    least = fxremat.explain(base, x, inner="eager", budget=1, on_infeasible="min", release_outputs=True)
+    calls.clear()
+    logits_bytes = 256 * 2048 * 4
+    budget = least.predicted_peak - logits_bytes - (1 << 16)
+    compiled = _compile(copy.deepcopy(base), budget=budget, chunk_loss="off")
+    with pytest.raises(fxremat.BudgetError) as info:
+        compiled(x)
+    assert info.value.budget == budget
+    assert len(calls) == 1
