@@ -326,6 +326,18 @@ def _faster(a: Lowered, b: Lowered) -> bool:
     return (a.decision.recompute_seconds, a.peak) < (b.decision.recompute_seconds, b.peak)
 
 
+def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
+    """``best`` (found by ``auto``'s first stage), or ``whole`` (``auto`` run whole at its target) when faster and fitting."""
+    if whole.kept == best.decision.kept:
+        return replace(best, decision=whole)  # the same plan, named and noted by ``auto``
+    if whole.feasible:
+        other = judge(whole)
+        if other.peak <= budget and _faster(other, best):
+            return other
+    note = "; ".join(filter(None, [best.decision.note, "the ILP's plan was not faster within the budget"]))
+    return replace(best, decision=replace(best.decision, solver=f"auto:{best.decision.solver}", note=note))
+
+
 def _no_budget(
     analysis: Analysis, options: Options, fastest: Decision, judge, started: float, reference: Reference | None
 ) -> Choice:
@@ -410,26 +422,30 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
 
     if budget is None:
         return _no_budget(analysis, options, fastest, judge, started, reference)
+    # ``auto`` searches with min-cut (its first stage) and runs whole once, at the target the
+    # search settled on: its ILP stage cost 1-2 s a solve on a 2-layer transformer, in each round.
+    search = "mincut" if options.solver == "auto" else options.solver
     target = budget
     best: Lowered | None = None
+    best_target = budget
     least: Lowered | None = None
     tried: set[int] = set()
     fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
     negligible = NEGLIGIBLE_RECOMPUTE * sum(problem.seconds)
     for _ in range(TIGHTEN_ROUNDS):
         tried.add(target)
-        decision = solve(problem, target, options.solver, solve_options)
+        decision = solve(problem, target, search, solve_options)
         if decision.feasible:
             lowered = judge(decision)
         else:
             # Below the solver's least estimate; the least plan's programs may still leave room.
             if least is None:
-                least = judge(solve(problem, 1, options.solver, solve_options))
+                least = judge(solve(problem, 1, search, solve_options))
             lowered = least
         log.debug("fxremat %s: target %d -> programs peak %d (budget %d)", name, target, lowered.peak, budget)
         if lowered.peak <= budget:
             if best is None or _faster(lowered, best):
-                best = lowered
+                best, best_target = lowered, target
             if lowered.peak >= CLOSE_ENOUGH * budget or lowered.decision.recompute_seconds <= negligible:
                 break
             fits_at = max(fits_at, target, lowered.decision.peak_bytes)
@@ -446,10 +462,14 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
         if target <= 0 or target in tried:
             break
     if best is not None:
+        if search != options.solver and best is not least:
+            best = _finish(best, solve(problem, best_target, options.solver, solve_options), judge, budget)
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, judge(fastest).peak)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
-        least = judge(solve(problem, 1, options.solver, solve_options))
+        least = judge(solve(problem, 1, search, solve_options))
+    if search != options.solver:
+        least = replace(least, decision=replace(least.decision, solver=f"{options.solver}:{least.decision.solver}"))
     note = least.decision.note
     assert options.budget is not None
     if options.on_infeasible == "error":

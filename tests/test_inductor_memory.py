@@ -108,3 +108,20 @@ def test_one_lowering_predicts_the_step_with_the_outputs_held_and_released():
     released = lower(analysis, choice.lowered.decision, fxremat.Options(release_outputs=True))
     assert released.peak == choice.lowered.other_peak == plan.released_peak
     assert released.other_peak == choice.lowered.peak == plan.predicted_peak
+
+
+def test_budget_search_runs_autos_ilp_once_at_the_target_it_settled_on(monkeypatch):
+    """``auto`` = min-cut, then the ILP: the search rounds use min-cut alone (the ILP cost 1-2 s a
+    round), and ``auto`` runs whole once; the plan is named after it."""
+    from fxremat import planner
+    from zoo import ZOO
+
+    base, inputs = ZOO["transformer"]()
+    fastest = fxremat.explain(base, *inputs, inner="eager", time_slack=0)
+    names: list[str] = []
+    solve = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda p, b, name, *a: names.append(name) or solve(p, b, name, *a))
+    plan = fxremat.explain(base, *inputs, inner="eager", budget=int(fastest.predicted_peak * 0.75))
+    assert plan.feasible and plan.recomputed
+    assert names.count("auto") == 1 and "mincut" in names, names
+    assert plan.solver.startswith("auto:"), plan.solver
