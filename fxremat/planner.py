@@ -127,6 +127,8 @@ class Choice:
     solve_seconds: float
     fastest_peak: int = 0
     """Predicted peak of the fastest plan's programs (judged like every candidate)."""
+    lower_seconds: float = 0.0
+    """Of ``solve_seconds``: lowering candidates to their programs and judging them (dry Inductor lowerings)."""
 
 
 log = logging.getLogger("fxremat")
@@ -414,12 +416,32 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     # What the step holds outside this graph (options.reserve) is not the graph's to use.
     budget = None if options.budget is None else max(1, options.budget - options.reserve)
     judged: dict[tuple[int, ...], Lowered] = {}  # one dry lowering per distinct kept set
+    lowering = [0.0]
 
     def judge(decision: Decision) -> Lowered:
         if decision.kept not in judged:
+            t = time.perf_counter()
             judged[decision.kept] = lower(analysis, decision, options)
+            lowering[0] += time.perf_counter() - t
         return judged[decision.kept]
 
+    choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
+    return replace(choice, lower_seconds=lowering[0])
+
+
+def _choose(
+    analysis: Analysis,
+    options: Options,
+    name: str,
+    reference: Reference | None,
+    started: float,
+    fastest: Decision,
+    budget: int | None,
+    judge,
+) -> Choice:
+    """``choose``'s search, judging candidates with ``judge`` (one lowering per kept set)."""
+    problem = analysis.graph.problem
+    solve_options = SolveOptions(time_limit=options.time_limit)
     if budget is None:
         return _no_budget(analysis, options, fastest, judge, started, reference)
     # ``auto`` searches with min-cut (its first stage) and runs whole once, at the target the

@@ -50,7 +50,12 @@ def build_plan(
         reserved_bytes=options.reserve,
         gap=decision.gap,
         note="; ".join(filter(None, [choice.note, _repeats_note(options.repeats, sim.saved_bytes)])),
-        pass_seconds={**analysis.seconds, "solve": choice.solve_seconds, "total": total_seconds},
+        pass_seconds={
+            **analysis.seconds,
+            "solve": choice.solve_seconds,
+            "lower": choice.lower_seconds,
+            "total": total_seconds,
+        },
         num_nodes=pg.problem.size,
         timeline=tuple(
             (sim.names[v], "forward" if phase == FORWARD else "backward", live) for v, phase, live in sim.timeline.steps

@@ -125,3 +125,5 @@ def test_budget_search_runs_autos_ilp_once_at_the_target_it_settled_on(monkeypat
     assert plan.feasible and plan.recomputed
     assert names.count("auto") == 1 and "mincut" in names, names
     assert plan.solver.startswith("auto:"), plan.solver
+    # The plan says how much of choosing was lowering candidates to their programs.
+    assert 0 < plan.pass_seconds["lower"] <= plan.pass_seconds["solve"], plan.pass_seconds

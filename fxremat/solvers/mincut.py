@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -219,6 +222,29 @@ class _Cutter:
         self.cuts += 1
         _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK, flow_func=boykov_kolmogorov)
         return tuple(v - piece[0] for v in piece if _Node(v, IN) in source_side and _Node(v, OUT) not in source_side)
+
+
+# A planner solves one problem many times (targets of the budget search, ``solve_within``'s
+# bisection, auto's two stages): its cuts depend on the problem alone, so the cutter, with its
+# cache of cut pieces, is kept for the last few problems. On a 4-layer Llama-3-8B-shaped graph
+# 10 solves made 416 cuts (30 s) where the distinct ones were a tenth of that.
+CUTTER_CACHE = 8
+_CUTTERS: OrderedDict[int, tuple[weakref.ref, _Cutter]] = OrderedDict()
+_CUTTERS_LOCK = threading.Lock()
+
+
+def _cutter(problem: RematProblem, rule: Rules) -> _Cutter:
+    """The cutter of ``problem``: the one made by an earlier solve of the same object, else a new one."""
+    with _CUTTERS_LOCK:
+        entry = _CUTTERS.get(id(problem))
+        if entry is not None and entry[0]() is problem:
+            _CUTTERS.move_to_end(id(problem))
+            return entry[1]
+        cutter = _Cutter(problem, rule)
+        _CUTTERS[id(problem)] = (weakref.ref(problem), cutter)
+        while len(_CUTTERS) > CUTTER_CACHE:
+            _CUTTERS.popitem(last=False)
+        return cutter
 
 
 def _union(parts) -> tuple[int, ...]:
@@ -470,7 +496,8 @@ def solve_mincut(
     deadline = deadline or Deadline.start("mincut", options)
     rule = rules(problem)
     cands = _Candidates(problem, rule, budget, "mincut", deadline)
-    cutter = _Cutter(problem, rule)
+    cutter = _cutter(problem, rule)
+    cuts_before = cutter.cuts
     policies = [("save_all", keep_all(problem)), ("inputs only", keep_nothing(problem))]
     policies.append(
         ("layer inputs", keep_layer_inputs(problem))
@@ -490,8 +517,8 @@ def solve_mincut(
         result, how = least_peak_search(problem, budget, starts, deadline=deadline)
         note = f"no cut fits the budget; {how}: {result.note}"
     logger.info(
-        "mincut: %d cuts, %d candidates, peak %d, recompute %.3gs, feasible %s",
-        cutter.cuts,
+        "mincut: %d new cuts, %d candidates, peak %d, recompute %.3gs, feasible %s",
+        cutter.cuts - cuts_before,
         len(cands.seen),
         result.peak_bytes,
         result.recompute_seconds,
