@@ -577,3 +577,22 @@ def test_transformer_stack_fits_shrinking_budgets():
         cut = solve_mincut(p, budget, OPTIONS)
         assert cut.feasible and cut.recompute_seconds >= d.recompute_seconds - 1e-12
         assert math.isfinite(d.solve_seconds)
+
+
+def test_mincut_reuses_its_cuts_across_solves_of_one_problem():
+    """The budget search solves one problem at several targets: cuts depend on the problem and
+    lam alone, so they are made once per problem, and a plan is what a fresh solve gives."""
+    from fxremat.solvers import mincut
+
+    p = transformer(4)
+    lo = solve(p, 1, "mincut").peak_bytes
+    hi = solve(p, None, "save_all").peak_bytes
+    targets = [lo + (hi - lo) * k // 4 for k in (1, 2, 3)]
+    first = [solve(p, t, "mincut") for t in targets]
+    cutter = mincut._cutter(p, rules(p))
+    made = cutter.cuts
+    again = [solve(p, t, "mincut") for t in reversed(targets)][::-1]
+    assert mincut._cutter(p, rules(p)) is cutter and cutter.cuts == made, "solved again: cut again"
+    mincut._CUTTERS.clear()
+    fresh = [solve(p, t, "mincut") for t in targets]
+    assert [d.kept for d in first] == [d.kept for d in again] == [d.kept for d in fresh]
