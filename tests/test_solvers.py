@@ -589,10 +589,10 @@ def test_mincut_reuses_its_cuts_across_solves_of_one_problem():
     hi = solve(p, None, "save_all").peak_bytes
     targets = [lo + (hi - lo) * k // 4 for k in (1, 2, 3)]
     first = [solve(p, t, "mincut") for t in targets]
-    cutter = mincut._cutter(p, rules(p))
+    cutter = mincut._CUTTERS.get(p)
     made = cutter.cuts
     again = [solve(p, t, "mincut") for t in reversed(targets)][::-1]
-    assert mincut._cutter(p, rules(p)) is cutter and cutter.cuts == made, "solved again: cut again"
+    assert mincut._CUTTERS.get(p) is cutter and cutter.cuts == made, "solved again: cut again"
     mincut._CUTTERS.clear()
     fresh = [solve(p, t, "mincut") for t in targets]
     assert [d.kept for d in first] == [d.kept for d in again] == [d.kept for d in fresh]

@@ -2,8 +2,9 @@
 
 ``solve(problem, budget, solver)`` picks one from ``SOLVERS`` by name. Modules:
 ``types`` (problem, decision, options), ``schedule`` (closure, programs,
-liveness), ``rules`` (what every solver shares), ``policies`` (reference
-policies), ``mincut``, ``ilp`` and ``registry``.
+liveness), ``rules`` (what every solver shares), ``memo`` (work kept per
+problem across solves), ``policies`` (reference policies), ``mincut``, ``ilp``
+and ``registry``.
 """
 
 from .registry import SOLVERS, get_solver, solve

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .memo import PerProblem
 from .types import BACKWARD, FORWARD, Decision, RematProblem
 
 __all__ = [
@@ -359,11 +360,22 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
 
 
 def evaluate(problem: RematProblem, kept) -> tuple[tuple[int, ...], tuple[int, ...], int, float]:
-    """Close a kept set and simulate it: (kept, recomputed, peak bytes, recompute seconds)."""
-    kept_c, recomputed = close(problem, kept)
-    forward, backward = programs(problem, kept_c, recomputed)
-    peak = liveness(problem, forward, backward, kept_c).peak
-    return kept_c, recomputed, peak, sum(problem.seconds[v] for v in recomputed)
+    """Close a kept set and simulate it: (kept, recomputed, peak bytes, recompute seconds).
+
+    Remembered per problem: the solves of one planning simulate many of the same kept sets
+    (on a 32-layer Llama-3-8B-shaped graph, 348 simulations took 41 s).
+    """
+    seen = _EVALUATED.get(problem)
+    key = tuple(sorted(set(kept)))
+    if key not in seen:
+        kept_c, recomputed = close(problem, key)
+        forward, backward = programs(problem, kept_c, recomputed)
+        peak = liveness(problem, forward, backward, kept_c).peak
+        seen[key] = (kept_c, recomputed, peak, sum(problem.seconds[v] for v in recomputed))
+    return seen[key]
+
+
+_EVALUATED: PerProblem[dict] = PerProblem(lambda problem: {})
 
 
 def decision(
