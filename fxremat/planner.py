@@ -337,7 +337,12 @@ def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
         if other.peak <= budget and _faster(other, best):
             return other
     note = "; ".join(filter(None, [best.decision.note, "the ILP's plan was not faster within the budget"]))
-    return replace(best, decision=replace(best.decision, solver=f"auto:{best.decision.solver}", note=note))
+    return _named(replace(best, decision=replace(best.decision, note=note)), "auto")
+
+
+def _named(lowered: Lowered, solver: str) -> Lowered:
+    """``lowered`` labelled as found by the first stage of ``solver`` (``auto:mincut``)."""
+    return replace(lowered, decision=replace(lowered.decision, solver=f"{solver}:{lowered.decision.solver}"))
 
 
 def _no_budget(
@@ -484,14 +489,14 @@ def _choose(
         if target <= 0 or target in tried:
             break
     if best is not None:
-        if search != options.solver and best is not least:
+        if search != options.solver:
             best = _finish(best, solve(problem, best_target, options.solver, solve_options), judge, budget)
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, judge(fastest).peak)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
         least = judge(solve(problem, 1, search, solve_options))
     if search != options.solver:
-        least = replace(least, decision=replace(least.decision, solver=f"{options.solver}:{least.decision.solver}"))
+        least = _named(least, options.solver)
     note = least.decision.note
     assert options.budget is not None
     if options.on_infeasible == "error":
