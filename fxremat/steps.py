@@ -70,6 +70,10 @@ class _Call:
     """The call's backward node: while it is alive, so are the activations saved for it."""
     backward_started: bool = False
 
+    def outputs_alive(self) -> int:
+        """Bytes of the distinct storages of this call's outputs the caller still holds."""
+        return _bytes([t for t in (r() for r in self.outputs) if t is not None])
+
     def held(self) -> int:
         """Bytes this call keeps alive: its saved activations and its live outputs."""
         if self.backward_started:
@@ -479,12 +483,12 @@ def _watch(out, args, graph: TrackedGraph) -> None:
         call.backward_started = True
         graph.check_repeats()
         if graph.assumed_released and options.budget is not None:
-            alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+            alive = call.outputs_alive()
             if alive >= REPLAN_MIN_SHARE * options.budget:
                 # Outputs held only by garbage reference cycles are not the caller's: collected, they are
                 # freed before the backward runs (the test suite's order once kept the logits so).
                 gc.collect()
-                alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+                alive = call.outputs_alive()
             if alive >= REPLAN_MIN_SHARE * options.budget:
                 graph.assumed_released = False
                 warnings.warn(
@@ -500,7 +504,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
         if options.budget is None:
             _note_released(graph, plan, call)
             return
-        alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+        alive = call.outputs_alive()
         released = plan.output_bytes - alive
         if released >= REPLAN_MIN_SHARE * options.budget:
             graph.released = True
@@ -532,7 +536,7 @@ def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
     The running plan's ``predicted_peak`` becomes its ``released_peak`` (the same
     programs replayed with the outputs freed when the backward starts).
     """
-    alive = _bytes([t for t in (r() for r in call.outputs) if t is not None])
+    alive = call.outputs_alive()
     if plan.output_bytes - alive < REPLAN_MIN_SHARE * max(1, plan.predicted_peak):
         return
     graph.released = True

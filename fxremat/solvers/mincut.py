@@ -224,7 +224,7 @@ class _Cutter:
 
 # The budget search solves one problem at several targets: its cuts depend on the problem
 # and lam alone, so each problem's cutter (and its cache of cut pieces) is kept across solves.
-# On a 8-layer Llama-3-8B-shaped graph 10 solves made 416 cuts where 186 were distinct.
+# On an 8-layer Llama-3-8B-shaped graph 10 solves made 416 cuts where 186 were distinct.
 _CUTTERS: PerProblem[_Cutter] = PerProblem(lambda problem: _Cutter(problem, rules(problem)))
 
 
