@@ -22,6 +22,7 @@ __all__ = [
     "functorch_config",
     "inductor_config",
     "no_autograd_cache",
+    "compiler_config_digest",
     "prepare_joint",
     "classify_nodes",
     "default_partition",
@@ -126,6 +127,25 @@ def no_autograd_cache():
     """AOTAutograd's cache would serve a partitioned graph without calling the partitioner
     (no Plan to inspect); with it off the joint graph is re-planned."""
     return functorch_config.patch(enable_autograd_cache=False)
+
+
+# Inductor's and AOTAutograd's settings change the programs a plan is judged on (private config modules).
+def compiler_config_digest() -> str:
+    """A hash of Inductor's and AOTAutograd's current settings (for the plan cache's key)."""
+    import hashlib
+    import json
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(map(repr, value))  # set order follows the hash seed; sorted, it does not
+        if callable(getattr(value, "uuid", None)):
+            return repr(value.uuid())  # custom graph passes and partitioners name their version so
+        text = repr(value)
+        # An object's default repr holds its address, new in every process: its class stands for it.
+        return type(value).__qualname__ if " at 0x" in text else text
+
+    settings = {"inductor": inductor_config.save_config_portable(), "aot": functorch_config.save_config_portable()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=plain).encode()).hexdigest()
 
 
 def prepare_joint(joint: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import logging
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,6 +32,7 @@ from .budget import BudgetError
 from .chunking import compile_choosing_chunks
 from .options import Options
 from .passes.chunk_loss import ChunkNote, noting
+from .plan_cache import source_digest
 from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
@@ -43,14 +43,6 @@ log = logging.getLogger("fxremat")
 
 
 @functools.lru_cache(maxsize=1)
-def _source_hash() -> str:
-    """Hash of fxremat's own sources: a new version never reuses an old cached plan."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 class FxrematPartitioner(CustomPartitionerFn):
     """fxremat's partitioner in Inductor's ``custom_partitioner_fn`` slot.
 
@@ -66,7 +58,7 @@ class FxrematPartitioner(CustomPartitionerFn):
         return _partition_guarded(gm, joint_inputs, self.options, sync_ranks=self.sync_ranks, **kwargs)
 
     def uuid(self) -> str:
-        return hashlib.sha256((self.options.key() + _source_hash()).encode()).hexdigest()
+        return hashlib.sha256((self.options.key() + source_digest()).encode()).hexdigest()
 
 
 def _partition_guarded(gm, joint_inputs, options: Options, sync_ranks: bool = False, **kwargs):

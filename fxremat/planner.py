@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch.fx as fx
@@ -38,10 +39,11 @@ from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize
 from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
-from . import ranks
+from . import plan_cache, ranks
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
+from .solvers.schedule import decision as decision_of
 from .solvers.types import Decision, SolveOptions
 
 __all__ = [
@@ -251,8 +253,12 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     )
 
 
-def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
-    """The programs that will run for ``decision``, checked, and their simulated memory."""
+def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple[int, int] | None = None) -> Lowered:
+    """The programs that will run for ``decision``, checked, and their simulated memory.
+
+    ``known``: the (peak, other peak) Inductor's programs for this decision were judged at in an
+    earlier run (``plan_cache``); the dry lowering is then skipped.
+    """
     fw, bw = apply_decision(
         analysis.joint,
         saved_nodes(analysis.graph, decision),
@@ -273,6 +279,8 @@ def lower(analysis: Analysis, decision: Decision, options: Options) -> Lowered:
     held = (options.repeats - 1) * sim.saved_bytes
     if not analysis.fusion:
         return Lowered(decision, fw, bw, sim, sim.peak + held)
+    if known is not None:
+        return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1])
     try:
         step = predict_step(
             fw, bw, analysis.num_fwd_outputs, analysis.scratch, outputs_released=options.release_outputs is True
@@ -320,6 +328,21 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
     held = (options.repeats - 1) * sim.saved_bytes
     return held + (
         math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if lowered.source == "simulation+allowance" else sim.peak
+    )
+
+
+def _out_of_reach(options: Options, least_peak: int) -> str:
+    """Why a budget gets the least-memory plan (on_infeasible='min')."""
+    assert options.budget is not None
+    budget = max(1, options.budget - options.reserve)
+    outside = (
+        f" ({format_bytes(budget)} after {format_bytes(options.reserve)} reserved outside the graph)"
+        if options.reserve
+        else ""
+    )
+    return (
+        f"budget {format_bytes(options.budget)}{outside} is below the least reachable peak "
+        f"{format_bytes(least_peak)}; using the least-memory plan (on_infeasible='min')"
     )
 
 
@@ -430,8 +453,92 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
             lowering[0] += time.perf_counter() - t
         return judged[decision.kept]
 
-    choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
-    return replace(choice, lower_seconds=lowering[0])
+    key = _cache_key(analysis, options) if plan_cache.enabled() else None
+    if key is not None:
+        cached = _from_cache(key, analysis, options, name, fastest, started)
+        if cached is not None:
+            return cached
+    try:
+        choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
+    except BudgetError as e:
+        if key is not None:
+            plan_cache.store(key, {"refused": e.least_peak, "why": e.why})
+        raise
+    choice = replace(choice, lower_seconds=lowering[0])
+    if key is not None and choice.lowered.source != "simulation+allowance":
+        plan_cache.store(key, _cache_entry(analysis, choice))
+    return choice
+
+
+# ------------------------------------------------------------ the plan cache (plan_cache.py)
+
+FROM_CACHE = "planned in an earlier run (plan cache)"
+
+
+def _cache_key(analysis: Analysis, options: Options) -> str:
+    static: Iterable = analysis.static_lifetime_input_nodes or ()  # type: ignore[assignment]
+    return plan_cache.key(
+        analysis.joint,
+        options,
+        num_fwd_outputs=analysis.num_fwd_outputs,
+        static_inputs=[getattr(n, "name", str(n)) for n in static],
+        scratch=analysis.scratch,
+        hardware=get_hardware(options.hardware),
+    )
+
+
+def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
+    """What ``_from_cache`` needs to give the same Choice without searching or lowering candidates."""
+    lowered, d = choice.lowered, choice.lowered.decision
+    return {
+        "kept": [analysis.graph.nodes[i].name for i in d.kept],
+        "solver": d.solver,
+        "gap": d.gap,
+        "decision_note": d.note,
+        "feasible": d.feasible,
+        "model_peak": d.peak_bytes,
+        "fits": choice.fits,
+        "note": choice.note,
+        "fastest_peak": choice.fastest_peak,
+        "peak": lowered.peak,
+        "other_peak": lowered.other_peak,
+        "source": lowered.source,
+        "seconds": choice.solve_seconds,
+    }
+
+
+def _from_cache(
+    key: str, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float
+) -> Choice | None:
+    """The Choice an earlier run made for this graph and options, or None (no usable entry)."""
+    entry = plan_cache.load(key)
+    if entry is None:
+        return None
+    if "refused" in entry:
+        assert options.budget is not None
+        log.info("fxremat %s: budget refused in an earlier run (plan cache %s)", name, key[:12])
+        raise BudgetError(options.budget, int(entry["refused"]), where=name, why=str(entry.get("why", "")))
+    index = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
+    try:
+        kept = sorted(index[k] for k in entry["kept"])
+        d = decision_of(
+            analysis.graph.problem, kept, None, str(entry["solver"]), gap=entry["gap"], note=str(entry["decision_note"])
+        )
+        if d.peak_bytes != entry["model_peak"] or entry["source"] != ("inductor" if analysis.fusion else "simulation"):
+            return None  # not the problem this entry was made for
+        known = (int(entry["peak"]), int(entry["other_peak"]))
+        fits, note, fastest_peak = bool(entry["fits"]), str(entry["note"]), int(entry["fastest_peak"])
+        d = replace(d, feasible=bool(entry["feasible"]))
+    except (KeyError, TypeError, ValueError) as e:
+        log.info("fxremat %s: ignoring a malformed plan cache entry %s (%s)", name, key[:12], e)
+        return None
+    lowered = lower(analysis, d, options, known)
+    if not fits:
+        assert options.budget is not None
+        warnings.warn(f"fxremat {name}: {_out_of_reach(options, lowered.peak)}", stacklevel=3)
+    log.info("fxremat %s: %s %s", name, FROM_CACHE, key[:12])
+    note = "; ".join(filter(None, [note, FROM_CACHE]))
+    return Choice(lowered, fastest, fits, note, time.perf_counter() - started, fastest_peak)
 
 
 def _choose(
@@ -501,15 +608,7 @@ def _choose(
     assert options.budget is not None
     if options.on_infeasible == "error":
         raise BudgetError(options.budget, least.peak + options.reserve, where=name)
-    outside = (
-        f" ({format_bytes(budget)} after {format_bytes(options.reserve)} reserved outside the graph)"
-        if options.reserve
-        else ""
-    )
-    why = (
-        f"budget {format_bytes(options.budget)}{outside} is below the least reachable peak "
-        f"{format_bytes(least.peak)}; using the least-memory plan (on_infeasible='min')"
-    )
+    why = _out_of_reach(options, least.peak)
     warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
     note = f"{why}; {note}" if note else why
     return Choice(least, fastest, False, note, time.perf_counter() - started, judge(fastest).peak)

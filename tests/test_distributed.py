@@ -215,6 +215,7 @@ def runs(tmp_path_factory, budget):
             "WORLD_SIZE": str(WORLD),
             "OMP_NUM_THREADS": "1",
             "FXREMAT_RANK_SYNC_TIMEOUT": "120",  # a rank waiting for a plan rank 0 never made fails in time
+            "FXREMAT_PLAN_CACHE": "0",  # each rank plans (the test compares the plans ranks make)
         }
         procs.append(
             subprocess.Popen(
@@ -305,6 +306,7 @@ def test_the_readme_torchrun_example_runs_small():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["FXREMAT_PLAN_CACHE"] = "0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["examples/distributed.py", "--small", "--inner", "eager", "--budget", "4MiB", "--steps", "2"]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

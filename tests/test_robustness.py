@@ -880,6 +880,7 @@ _KEPT_SCRIPT = textwrap.dedent("""
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHINDUCTOR_"))}
+    env["FXREMAT_PLAN_CACHE"] = "0"  # each process must plan, not read another's plan
     env.update(extra)
     return env
 

@@ -1,0 +1,11 @@
+"""Suite-wide settings.
+
+The plan cache (``fxremat/plan_cache.py``) is off: a test that plans a model the
+same way as an earlier test must plan it, not read the earlier plan (many tests
+count solver runs and lowerings, or time them). ``tests/test_plan_cache.py``
+turns it on in its own folder. Child processes inherit the setting.
+"""
+
+import os
+
+os.environ["FXREMAT_PLAN_CACHE"] = "0"
