@@ -52,6 +52,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# Every run plans afresh: the plan cache (fxremat/plan_cache.py) would hide planning time and planner changes.
+os.environ.setdefault("FXREMAT_PLAN_CACHE", "0")
+
 MIB = 2**20
 REPO = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())

@@ -10,7 +10,9 @@ tokens, batch 1) with fewer layers where asked, built under
 ``torch.device("meta")``, its loss taken as users take it
 (``model(input_ids=ids, labels=ids).loss``). Each row is a fresh process
 running ``fxremat.explain`` with default options and no budget, on one
-intra-op thread; nothing runs, no weight exists.
+intra-op thread; nothing runs, no weight exists. Each row runs twice, in fresh
+processes sharing an empty plan cache (``fxremat/plan_cache.py``): the first
+plans, the second is a later run of the same job, which reads the plan.
 
 Columns (seconds): ``total`` is explain's wall time; ``trace`` what precedes
 fxremat's partitioner (Dynamo, AOTAutograd's joint graph, explain's own
@@ -18,7 +20,8 @@ setup), that is ``total`` less the partitioner's ``total``; then the plan's
 ``pass_seconds``: ``cost`` (FLOPs and bytes per node), ``problem`` (the
 solver's problem), ``search`` (the solvers: ``solve`` less ``lower``),
 ``lower`` (lowering candidates to their programs and judging them: under
-``inner="inductor"``, Inductor's dry lowering of each candidate's programs).
+``inner="inductor"``, Inductor's dry lowering of each candidate's programs);
+``a later run`` is the second process's ``total``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +40,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every run plans afresh: the plan cache (fxremat/plan_cache.py) would hide planning time and planner changes.
+os.environ.setdefault("FXREMAT_PLAN_CACHE", "0")
 DOC = ROOT / "docs" / "PLANNING_TIME.md"
 ROW_MARK = "ROW "
 ROWS = ["2:inductor", "2:eager", "8:eager", "32:eager"]
@@ -98,13 +104,23 @@ def run_row(layers: int, inner: str) -> dict:
 
 
 def run_subprocess(layers: int, inner: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--row", str(layers), inner], capture_output=True, text=True, timeout=3600
-    )
-    if out.returncode != 0:
-        return {"layers": layers, "inner": inner, "error": out.stderr.strip().splitlines()[-1:]}
-    line = next(x for x in out.stdout.splitlines() if x.startswith(ROW_MARK))
-    return json.loads(line[len(ROW_MARK) :])
+    """The row in a fresh process with an empty plan cache, then once more, as a later run finds it."""
+    with tempfile.TemporaryDirectory(prefix="fxremat-planning-time-") as plans:
+        env = dict(os.environ, FXREMAT_PLAN_CACHE="1", FXREMAT_PLAN_CACHE_DIR=plans)
+        runs = []
+        for _ in range(2):
+            out = subprocess.run(
+                [sys.executable, __file__, "--row", str(layers), inner],
+                capture_output=True,
+                text=True,
+                timeout=3600,
+                env=env,
+            )
+            if out.returncode != 0:
+                return {"layers": layers, "inner": inner, "error": out.stderr.strip().splitlines()[-1:]}
+            line = next(x for x in out.stdout.splitlines() if x.startswith(ROW_MARK))
+            runs.append(json.loads(line[len(ROW_MARK) :]))
+    return {**runs[0], "later_total": runs[1]["total"], "later_peak": runs[1]["peak"]}
 
 
 def render(rows: list[dict]) -> str:
@@ -119,9 +135,17 @@ def render(rows: list[dict]) -> str:
         "`fxremat.explain` with default options and no budget; each row a fresh process. Seconds; the columns are "
         "defined in the script's docstring.",
         "",
-        "| layers | inner | joint nodes | total | trace | cost | problem | search | lower | solver | predicted peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layers | inner | joint nodes | total | trace | cost | problem | search | lower | solver | predicted peak "
+        "| a later run (plan cache) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def later(r: dict) -> str:
+        if "later_total" not in r:
+            return "not run"
+        same = "" if r["later_peak"] == r["peak"] else f", predicted {fxremat.format_bytes(r['later_peak'])} (differs)"
+        return f"{r['later_total']:.1f}{same}"
+
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['layers']} | {r['inner']} | failed: {' '.join(r['error'])} |")
@@ -129,7 +153,7 @@ def render(rows: list[dict]) -> str:
         lines.append(
             f"| {r['layers']} | {r['inner']} | {r['nodes']} | {r['total']:.1f} | {r['trace']:.1f} | {r['cost']:.2f} | "
             f"{r['problem']:.2f} | {r['search']:.1f} | {r['lower']:.1f} | {r['solver']} | "
-            f"{fxremat.format_bytes(r['peak'])} |"
+            f"{fxremat.format_bytes(r['peak'])} | {later(r)} |"
         )
     return "\n".join(lines) + "\n"
 

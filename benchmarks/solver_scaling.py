@@ -25,6 +25,8 @@ from fxremat._torch_compat import FakeTensorMode
 from fxremat.solvers import SolveOptions, solve
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every run plans afresh: the plan cache (fxremat/plan_cache.py) would hide planning time and planner changes.
+os.environ.setdefault("FXREMAT_PLAN_CACHE", "0")
 
 
 class LMLoss(torch.nn.Module):
