@@ -42,7 +42,6 @@ __all__ = ["backend", "fxremat_backend", "FxrematPartitioner", "build_compiler",
 log = logging.getLogger("fxremat")
 
 
-@functools.lru_cache(maxsize=1)
 class FxrematPartitioner(CustomPartitionerFn):
     """fxremat's partitioner in Inductor's ``custom_partitioner_fn`` slot.
 

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch.fx as fx
 
@@ -476,7 +477,7 @@ FROM_CACHE = "planned in an earlier run (plan cache)"
 
 
 def _cache_key(analysis: Analysis, options: Options) -> str:
-    static: Iterable = analysis.static_lifetime_input_nodes or ()  # type: ignore[assignment]
+    static = cast(Iterable, analysis.static_lifetime_input_nodes or ())
     return plan_cache.key(
         analysis.joint,
         options,
@@ -503,7 +504,6 @@ def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
         "peak": lowered.peak,
         "other_peak": lowered.other_peak,
         "source": lowered.source,
-        "seconds": choice.solve_seconds,
     }
 
 
