@@ -149,3 +149,31 @@ def test_scalar_kernels_give_the_programs_vectorized_ones_do(monkeypatch, name):
         warnings.simplefilter("ignore")
         fxremat.explain(model, *inputs, time_slack=0)
     assert compared and all(compared), compared
+
+
+class _WideConvs(torch.nn.Module):
+    """Convolutions with large weights and small images: Inductor's layout optimisation would save a
+    channels-last copy of every weight for the backward (as many bytes as the weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(128, 128, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return x.mean()
+
+
+def test_a_cnn_without_a_budget_makes_no_weight_copies_and_is_predicted():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _WideConvs(), torch.randn(2, 128, 8, 8)
+    weights = sum(c.weight.numel() * 4 for c in model.convs)
+    compiled = torch.compile(model, backend="fxremat")
+    compiled(x).backward()
+    m = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
+    plan = fxremat.running_plans()[-1]
+    assert abs(m.peak_bytes - plan.predicted_peak) <= 0.01 * m.peak_bytes, (m.peak_bytes, plan.predicted_peak)
+    # The gradients (one weights' worth) and small activations: no second copy of the weights.
+    assert m.peak_bytes < 1.5 * weights, (m.peak_bytes, weights)
