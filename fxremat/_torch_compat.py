@@ -49,6 +49,11 @@ __all__ = [
     "StorageWeakRef",
     "fsdp_groups",
     "FsdpGroup",
+    "current_autograd_node",
+    "engine_runs_node",
+    "backward_keeps_graph",
+    "has_grad_hooks",
+    "compile_context_now",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -402,3 +407,60 @@ def fsdp_groups(tensors) -> list[FsdpGroup]:
                 )
         return out
     return []
+
+
+# ------------------------------------------------------------ handing gradients over (grads.py)
+
+
+# The node whose backward is running: its next_functions lead to each input's AccumulateGrad.
+def current_autograd_node():
+    """The autograd node the engine is running on this thread (None outside a backward)."""
+    return torch._C._current_autograd_node()
+
+
+# Whether this backward will run a node: `.backward(inputs=...)` and `autograd.grad` skip some.
+def engine_runs_node(node) -> bool:
+    """Whether the running backward will call ``node`` (an AccumulateGrad: whether it fills ``.grad``)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        # Raised for a leaf's node under torch.autograd.grad: its gradient is captured, not accumulated.
+        return False
+
+
+# retain_graph / create_graph of the running backward (create_graph implies keeping the graph).
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True`` or ``create_graph=True``)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+# Python hooks on a leaf live in its private `_backward_hooks` and `_post_accumulate_grad_hooks`.
+def has_grad_hooks(param: torch.Tensor) -> bool:
+    """Whether Python code registered a gradient hook or a post-accumulate-grad hook on ``param``."""
+    return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+# A backward is compiled inside AOTAutograd's tracing and compile contexts and Inductor's patched
+# config (torch._guards, private config modules); compiling another version of it later needs them again.
+def compile_context_now():
+    """A context manager factory that re-enters, later, the compile contexts and compiler settings in
+    effect now (inside a backward's compile): for compiling a variant of that backward on demand."""
+    import contextlib
+
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+
+    tracing_context, compiling = TracingContext.try_get(), CompileContext.try_get()
+    inductor, aot = inductor_config.get_config_copy(), functorch_config.get_config_copy()
+
+    @contextlib.contextmanager
+    def again():
+        with (
+            tracing(tracing_context),
+            compile_context(compiling),
+            inductor_config.patch(inductor),
+            functorch_config.patch(aot),
+            torch._C._DisableAutocast(),
+        ):
+            yield
+
+    return again

@@ -96,6 +96,13 @@ class Options:
     it, or when it makes the plan that fits faster; never without a budget. "off": never
     (a ``BudgetError`` then names the logits when they are why the budget is out of reach).
     An int >= 2: always, in that many chunks."""
+    hand_over_grads: bool = True
+    """Hand each parameter's gradient to ``.grad`` as soon as the backward makes it, as eager
+    autograd does, instead of returning all of them at the backward's end (``fxremat/grads.py``):
+    with ``.grad`` already allocated (gradient accumulation, ``zero_grad(set_to_none=False)``)
+    each gradient is added in and freed at once. Where autograd must see the gradients
+    (``torch.autograd.grad``, hooks on a parameter, ``retain_graph``, ``torch.distributed``) they
+    are returned as before. False: always return them at the end."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs

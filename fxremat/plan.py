@@ -131,6 +131,13 @@ class Plan:
     released_peak: int = 0
     """Predicted peak of the same programs when the caller drops the forward's outputs before the
     backward (``model(x).loss``); equal to ``predicted_peak`` when the plan assumed that."""
+    accumulating_peak: int = 0
+    """``predicted_peak`` of a step whose parameters' ``.grad`` already exist (gradient accumulation,
+    ``zero_grad(set_to_none=False)``): each gradient the backward hands over is added in and freed
+    as it is made (``Options.hand_over_grads``). ``predicted_peak`` keeps them to the end (new
+    ``.grad`` tensors), an upper bound for both."""
+    released_accumulating_peak: int = 0
+    """``released_peak`` with the gradients added into existing ``.grad`` as they are made."""
     reserved_bytes: int = 0
     """Bytes of the budget left for memory the step holds outside this graph (``Options.reserve``;
     under FSDP2, its unsharded parameters and gradient buffers): the graph was planned under the rest."""
@@ -213,6 +220,14 @@ class Plan:
             f"  gradients returned      {format_bytes(self.grad_bytes):>12}",
             f"  predicted peak          {format_bytes(self.predicted_peak):>12}"
             + ("" if self.budget is None else f"  (budget {format_bytes(self.budget)})"),
+            *(
+                [
+                    f"  with .grad allocated    {format_bytes(self.accumulating_peak):>12}  (gradients added in as made:"
+                    " gradient accumulation, zero_grad(set_to_none=False))"
+                ]
+                if self.accumulating_peak and self.accumulating_peak != self.predicted_peak
+                else []
+            ),
             f"  fastest plan's peak     {format_bytes(self.fastest_peak):>12}",
             *(
                 [

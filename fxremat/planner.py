@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -33,14 +34,16 @@ from .passes.calibrate import calibrate_costs
 from .hardware import get_hardware
 from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
+from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
 from .passes.inductor_memory import predict_step
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
-from .passes.problem import ProblemGraph, build_problem, saved_nodes, specialize_sizes
+from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes, specialize_sizes
 from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import measure_scratch
 from .passes.simulate import Simulation, simulate
 from . import plan_cache, ranks
+from .grads import HAND_OVER_OP
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
@@ -100,6 +103,9 @@ class Analysis:
     static_lifetime_input_nodes: object
     recomputes_rng: bool
     seconds: dict[str, float]
+    param_outputs: tuple[int, ...] = ()
+    """Backward outputs that are parameters' gradients (static-lifetime inputs), handed over to
+    ``.grad`` as they are made when ``Options.hand_over_grads`` (``passes/hand_over.py``)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,8 @@ class Choice:
     """Predicted peak of the fastest plan's programs (judged like every candidate)."""
     lower_seconds: float = 0.0
     """Of ``solve_seconds``: lowering candidates to their programs and judging them (dry Inductor lowerings)."""
+    accumulating: tuple[int, int] | None = None
+    """``accumulating_peaks`` of the plan: the step's peak when the parameters' ``.grad`` exist."""
 
 
 log = logging.getLogger("fxremat")
@@ -199,6 +207,7 @@ def partition(
         return default_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [], info)
     name = new_graph_name()
     analysis = analyse(joint, info, options, num_fwd_outputs, recomputes_rng)
+    analysis = replace(analysis, param_outputs=tuple(sorted(static_lifetime_input_indices or ())))
     choice = choose(analysis, options, name, reference)
     if sync_ranks:
         choice = follow_rank0(analysis, choice, options, name)
@@ -209,12 +218,16 @@ def partition(
         options,
         total_seconds=time.perf_counter() - started,
         released_peak=released_peak(analysis, choice.lowered, options),
+        accumulating=choice.accumulating,
     )
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
     forward, backward = choice.lowered.forward, choice.lowered.backward
     forward.meta[USER_OUTPUTS] = num_fwd_outputs
+    spec = hand_over_spec(analysis, options)
+    if spec is not None:
+        backward.meta[HAND_OVER_SPEC] = spec
     return forward, backward
 
 
@@ -309,7 +322,10 @@ def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str
     lowered = lower(analysis, as_decision(analysis.graph, theirs, "rank 0", "", options.budget), options)
     fits = options.budget is None or lowered.peak <= options.budget - options.reserve
     note = f"rank 0's plan: this rank had planned another ({choice.lowered.decision.solver}, {len(kept)} kept)"
-    return replace(choice, lowered=lowered, fits=fits, note="; ".join(filter(None, [note, choice.note])))
+    accumulating = accumulating_peaks(analysis, lowered, options)
+    return replace(
+        choice, lowered=lowered, fits=fits, note="; ".join(filter(None, [note, choice.note])), accumulating=accumulating
+    )
 
 
 def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int:
@@ -330,6 +346,40 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
     return held + (
         math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) if lowered.source == "simulation+allowance" else sim.peak
     )
+
+
+def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...], int] | None:
+    """What the backward's compiler needs to build the program that hands gradients over
+    (``fxremat/grads.py``): the parameters' output positions and the graph's input count."""
+    if not options.hand_over_grads or not analysis.param_outputs:
+        return None
+    inputs = sum(1 for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n))
+    return analysis.param_outputs, inputs
+
+
+def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -> tuple[int, int] | None:
+    """The predicted peak of a step whose parameters' ``.grad`` exist before the backward, with the
+    outputs as the plan assumed them and released: the backward then hands each parameter's
+    gradient over as it is made (added in, and freed). None when no gradient is handed over."""
+    spec = hand_over_spec(analysis, options)
+    if spec is None or lowered.source == "simulation+allowance":
+        return None
+    backward = copy.deepcopy(lowered.backward)
+    if not hand_over_gradients(backward, list(spec[0]), spec[1], HAND_OVER_OP):
+        return None
+    assumed = options.release_outputs is True
+    held_calls = options.repeats - 1
+    if lowered.source == "inductor":
+        step = predict_step(
+            lowered.forward, backward, analysis.num_fwd_outputs, analysis.scratch, outputs_released=assumed
+        )
+        extra = held_calls * lowered.simulation.saved_bytes
+        return step.peak + extra, (step.peak if assumed else step.other_peak) + extra
+    peaks = []
+    for released in (assumed, True):
+        sim = simulate(lowered.forward, backward, analysis.num_fwd_outputs, analysis.scratch, outputs_released=released)
+        peaks.append(sim.peak + held_calls * sim.saved_bytes)
+    return peaks[0], peaks[1]
 
 
 def _out_of_reach(options: Options, least_peak: int) -> str:
@@ -465,7 +515,10 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
         if key is not None:
             plan_cache.store(key, {"refused": e.least_peak, "why": e.why})
         raise
-    choice = replace(choice, lower_seconds=lowering[0])
+    t = time.perf_counter()
+    accumulating = accumulating_peaks(analysis, choice.lowered, options)
+    lowering[0] += time.perf_counter() - t
+    choice = replace(choice, lower_seconds=lowering[0], accumulating=accumulating)
     if key is not None and choice.lowered.source != "simulation+allowance":
         plan_cache.store(key, _cache_entry(analysis, choice))
     return choice
@@ -503,6 +556,7 @@ def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
         "fastest_peak": choice.fastest_peak,
         "peak": lowered.peak,
         "other_peak": lowered.other_peak,
+        "accumulating": list(choice.accumulating) if choice.accumulating else None,
         "source": lowered.source,
     }
 
@@ -528,6 +582,8 @@ def _from_cache(
             return None  # not the problem this entry was made for
         known = (int(entry["peak"]), int(entry["other_peak"]))
         fits, note, fastest_peak = bool(entry["fits"]), str(entry["note"]), int(entry["fastest_peak"])
+        accumulating = entry["accumulating"]
+        accumulating = (int(accumulating[0]), int(accumulating[1])) if accumulating else None
         d = replace(d, feasible=bool(entry["feasible"]))
     except (KeyError, TypeError, ValueError) as e:
         log.info("fxremat %s: ignoring a malformed plan cache entry %s (%s)", name, key[:12], e)
@@ -538,7 +594,7 @@ def _from_cache(
         warnings.warn(f"fxremat {name}: {_out_of_reach(options, lowered.peak)}", stacklevel=3)
     log.info("fxremat %s: %s %s", name, FROM_CACHE, key[:12])
     note = "; ".join(filter(None, [note, FROM_CACHE]))
-    return Choice(lowered, fastest, fits, note, time.perf_counter() - started, fastest_peak)
+    return Choice(lowered, fastest, fits, note, time.perf_counter() - started, fastest_peak, accumulating=accumulating)
 
 
 def _choose(

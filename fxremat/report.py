@@ -23,7 +23,13 @@ __all__ = ["build_plan"]
 
 
 def build_plan(
-    name: str, analysis: Analysis, choice: Choice, options: Options, total_seconds: float, released_peak: int = 0
+    name: str,
+    analysis: Analysis,
+    choice: Choice,
+    options: Options,
+    total_seconds: float,
+    released_peak: int = 0,
+    accumulating: tuple[int, int] | None = None,
 ) -> Plan:
     """The Plan for graph ``name``: what is kept and recomputed, the predicted timeline, the anatomy."""
     pg, costs = analysis.graph, analysis.costs
@@ -35,6 +41,8 @@ def build_plan(
         budget=options.budget,
         predicted_peak=lowered.peak,
         released_peak=released_peak or lowered.peak,
+        accumulating_peak=accumulating[0] if accumulating else lowered.peak,
+        released_accumulating_peak=accumulating[1] if accumulating else released_peak or lowered.peak,
         saved_bytes=sim.saved_bytes,
         recompute_flops=sum(r.flops for r in recomputed),
         recompute_seconds=decision.recompute_seconds,

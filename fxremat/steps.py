@@ -132,6 +132,9 @@ class TrackedGraph:
         self.pending: Options | None = None
         self.released = False  # re-planned once with the outputs released
         self.assumed_released = False  # planned with the outputs released before any step showed it
+        self.returned_peak: int | None = None
+        """No budget: the plan's own prediction (gradients returned at the end), while the running plan
+        shows the one of a step whose parameters' ``.grad`` exist (``_note_grads``)."""
         self.reserved: dict[frozenset, int] = {}
         self.user_budget = options.budget
         self.repeats: list[tuple[int, int]] = []
@@ -479,9 +482,13 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     with _LOCK:
         _CALLS.append(call)
 
+    params = [weakref.ref(a) for a in args if _real(a) and a.requires_grad and a.is_leaf]
+
     def backward_started(_grads) -> None:
         call.backward_started = True
         graph.check_repeats()
+        if options.budget is None and options.hand_over_grads:
+            _note_grads(graph, all((p := r()) is not None and p.grad is not None for r in params))
         if graph.assumed_released and options.budget is not None:
             alive = call.outputs_alive()
             if alive >= REPLAN_MIN_SHARE * options.budget:
@@ -530,6 +537,31 @@ def _node(outputs) -> weakref.ref | None:
     return None
 
 
+def _note_grads(graph: TrackedGraph, exist: bool) -> None:
+    """No budget: the running plan's prediction follows whether this backward finds the parameters'
+    ``.grad`` allocated (its gradients are then added in as they are made, ``fxremat/grads.py``) or
+    not (they stay alive to the end as new ``.grad``): the same plan and programs, no recompile."""
+    plan = graph.plan
+    if plan is None or exist == (graph.returned_peak is not None):
+        return
+    if exist:
+        graph.returned_peak = plan.predicted_peak
+        peak = plan.released_accumulating_peak if graph.released else plan.accumulating_peak
+        note = "the parameters' .grad exist before the backward: predicted with the gradients added in as made"
+        graph.plan = dataclasses.replace(plan, predicted_peak=peak, note="; ".join(filter(None, [plan.note, note])))
+    else:
+        assert graph.returned_peak is not None
+        peak, graph.returned_peak = graph.returned_peak, None
+        graph.plan = dataclasses.replace(plan, predicted_peak=peak)
+    log.info(
+        "fxremat %s: the parameters' .grad %s before the backward; predicted peak %s -> %s (same plan)",
+        plan.graph,
+        "exist" if exist else "do not exist",
+        format_bytes(plan.predicted_peak),
+        format_bytes(peak),
+    )
+
+
 def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
     """No budget: outputs dropped before the backward change the prediction, not the plan (no recompile).
 
@@ -540,9 +572,12 @@ def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
     if plan.output_bytes - alive < REPLAN_MIN_SHARE * max(1, plan.predicted_peak):
         return
     graph.released = True
+    peak = plan.released_peak
+    if graph.returned_peak is not None:  # this backward also adds the gradients into existing .grad
+        graph.returned_peak, peak = plan.released_peak, plan.released_accumulating_peak
     graph.plan = dataclasses.replace(
         plan,
-        predicted_peak=plan.released_peak,
+        predicted_peak=peak,
         note="; ".join(
             filter(None, [plan.note, "the caller drops the outputs before the backward: predicted with them freed"])
         ),
@@ -551,5 +586,5 @@ def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
         "fxremat %s: the caller dropped its outputs before the backward; predicted peak %s -> %s (same plan)",
         plan.graph,
         format_bytes(plan.predicted_peak),
-        format_bytes(plan.released_peak),
+        format_bytes(peak),
     )

@@ -170,7 +170,7 @@ def test_a_cnn_without_a_budget_makes_no_weight_copies_and_is_predicted():
     torch.manual_seed(0)
     model, x = _WideConvs(), torch.randn(2, 128, 8, 8)
     weights = sum(c.weight.numel() * 4 for c in model.convs)
-    compiled = torch.compile(model, backend="fxremat")
+    compiled = torch.compile(model, backend="fxremat", options={"hand_over_grads": False})
     compiled(x).backward()
     m = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
     plan = fxremat.running_plans()[-1]

@@ -163,7 +163,9 @@ def _compile(name: str, budget, monkeypatch):
         measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
     sim = planned[-1][1].lowered.simulation
     ours = {sim.names[writer] for writer, _ in sim.timeline.reused}
-    theirs = set().union(*(origins.get(name, {name}) for program in done[-2:] for name in program))
+    # Every program compiled for the plan: its forward, its backward, and the backward's version that
+    # adds gradients into .grad (compiled in the measured step, fxremat/grads.py).
+    theirs = set().union(*(origins.get(name, {name}) for program in done for name in program))
     return ours, theirs, fxremat.plans()[-1], measured.peak_bytes
 
 

@@ -1,0 +1,205 @@
+"""Parameter gradients added into an existing ``.grad`` as the backward makes them (fxremat/grads.py).
+
+Every test compares the gradients with eager PyTorch's after several steps: the two
+versions of a backward (adding gradients in as made, or returning them at the end)
+must both give autograd's results, whichever way the step runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import fxremat
+from fxremat.grads import HAND_OVER_OP
+from fxremat.passes.hand_over import hand_over_gradients, handed_over
+
+WIDTH, DEPTH, BATCH = 256, 6, 32
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)])
+
+
+def _pair(**options):
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", **options})
+    return model, compiled, reference
+
+
+def _loss(f, x):
+    return f(x).square().mean()
+
+
+def _assert_grads_equal(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+
+
+def _steps(compiled, reference, x, n=3):
+    for _ in range(n):
+        _loss(compiled, x).backward()
+        _loss(reference, x).backward()
+
+
+@pytest.fixture
+def built(caplog):
+    """Count the backwards compiled in the version that adds gradients into ``.grad``."""
+    caplog.set_level(logging.INFO, logger="fxremat")
+    return lambda: sum(
+        "adds" in r.getMessage() and "into .grad as it makes them" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_gradients_accumulated_over_steps_equal_eager_and_the_adding_version_is_built_once(built):
+    model, compiled, reference = _pair()
+    x = torch.randn(BATCH, WIDTH)
+    _steps(compiled, reference, x, n=4)  # the first step makes .grad; the next three add into it
+    _assert_grads_equal(model, reference)
+    assert built() == 1
+
+
+def test_set_to_none_steps_never_build_the_adding_version(built):
+    model, compiled, reference = _pair()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(BATCH, WIDTH)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        _steps(compiled, reference, x, n=1)
+        opt.step()
+        ref_opt.step()
+    _assert_grads_equal(model, reference)
+    assert built() == 0
+
+
+def test_gradient_accumulation_with_set_to_none_between_optimizer_steps():
+    model, compiled, reference = _pair()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    batches = [torch.randn(BATCH, WIDTH) for _ in range(3)]
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        for x in batches:  # micro-batch 1 makes .grad, 2 and 3 add into it
+            _steps(compiled, reference, x, n=1)
+        _assert_grads_equal(model, reference)
+        opt.step()
+        ref_opt.step()
+
+
+def test_what_autograd_must_see_still_gets_every_gradient():
+    model, compiled, reference = _pair()
+    x = torch.randn(BATCH, WIDTH)
+    _steps(compiled, reference, x, n=2)  # .grad exists from here on
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    # torch.autograd.grad fills no .grad: it must receive the gradients themselves.
+    got = torch.autograd.grad(_loss(compiled, x), params)
+    want = torch.autograd.grad(_loss(reference, x), ref_params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # backward(inputs=...) fills only the .grad of the inputs named.
+    _loss(compiled, x).backward(inputs=params[:2])
+    _loss(reference, x).backward(inputs=ref_params[:2])
+    _assert_grads_equal(model, reference)
+
+
+def test_a_backward_that_keeps_its_graph_returns_its_gradients():
+    # retain_graph needs AOTAutograd's donated buffers off (its own limitation, plain torch.compile's too).
+    with torch._functorch.config.patch(donated_buffer=False):
+        model, compiled, reference = _pair()
+        x = torch.randn(BATCH, WIDTH)
+        _steps(compiled, reference, x, n=1)
+        for _ in range(2):
+            loss, ref_loss = _loss(compiled, x), _loss(reference, x)
+            loss.backward(retain_graph=True)
+            ref_loss.backward(retain_graph=True)
+            loss.backward()
+            ref_loss.backward()
+    _assert_grads_equal(model, reference)
+
+
+def test_hooks_on_a_parameter_see_the_gradient():
+    model, compiled, reference = _pair()
+    x = torch.randn(BATCH, WIDTH)
+    _steps(compiled, reference, x, n=1)
+    seen = []
+    for m in (model, reference):
+        first = next(m.parameters())
+        first.register_hook(lambda g: g * 2)
+        first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.norm().item()))
+    _steps(compiled, reference, x, n=2)
+    _assert_grads_equal(model, reference)
+    assert len(seen) == 4 and seen[0] == pytest.approx(seen[1]) and seen[2] == pytest.approx(seen[3])
+
+
+def test_memory_falls_by_the_gradients_and_is_predicted():
+    x = torch.randn(BATCH, WIDTH)
+    peaks = {}
+    for hand_over in (True, False):
+        fxremat.clear_plans()
+        model, compiled, _ = _pair(hand_over_grads=hand_over)
+        measured = fxremat.measure(lambda: _loss(compiled, x).backward(), reps=1, warmup=2)
+        (plan,) = fxremat.running_plans()[-1:]
+        # The loss and its seed gradient are computed outside the graph: 8 bytes the graph does not see.
+        assert abs(measured.peak_bytes - plan.predicted_peak) <= 16
+        peaks[hand_over] = measured.peak_bytes
+        if hand_over:
+            assert plan.accumulating_peak < plan.released_peak
+    grads = sum(p.numel() * 4 for p in _mlp().parameters())
+    # Returned at the end, all 1.5 MiB of gradients are alive at once; added in as made, at most one
+    # layer's is (the peak moves to the backward's start, where activations are alive).
+    assert peaks[False] - peaks[True] >= grads // 2, (peaks, grads)
+
+
+def test_inductor_adds_gradients_into_grad_and_matches_eager():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fxremat")
+    x = torch.randn(BATCH, WIDTH)
+    _steps(compiled, reference, x, n=3)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    measured = fxremat.measure(lambda: _loss(compiled, x).backward(), reps=1, warmup=1)
+    plan = fxremat.running_plans()[-1]
+    assert plan.accumulating_peak < plan.released_peak
+    # The loss and its seed gradient are computed outside the graph: 8 bytes the graph does not see.
+    assert abs(measured.peak_bytes - plan.predicted_peak) <= 16
+
+
+def test_a_gradient_passed_through_from_a_tangent_or_shared_is_not_handed_over():
+    def bw_graph():
+        g = fx.Graph()
+        tangent = g.placeholder("tangents_1")
+        tangent.meta["val"] = torch.empty(4)
+        doubled = g.call_function(torch.ops.aten.mul.Tensor, (tangent, 2))
+        doubled.meta["val"] = torch.empty(4)
+        view = g.call_function(torch.ops.aten.view.default, (doubled, [2, 2]))
+        view.meta["val"] = doubled.meta["val"].view(2, 2)
+        own = g.call_function(torch.ops.aten.mul.Tensor, (tangent, 3))
+        own.meta["val"] = torch.empty(4)
+        g.output((tangent, doubled, view, own))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    bw = bw_graph()
+    # The tangent itself, and two outputs sharing one storage, stay returned; the own one is handed over.
+    assert hand_over_gradients(bw, [0, 1, 2, 3], 4, HAND_OVER_OP) == (3,)
+    assert [m.meta["fxremat_hand_over"] for m in handed_over(bw)] == [3]
+
+
+def test_the_op_outside_fxremats_backward_raises_clearly():
+    with pytest.raises(RuntimeError, match="hand_over_grads"):
+        HAND_OVER_OP(torch.ones(3), 0, 1)
+
+
+def test_the_option_is_validated_and_part_of_the_plan_key():
+    with pytest.raises(TypeError, match="hand_over_grads"):
+        fxremat.Options.from_mapping({"hand_over_grads": "yes"})
+    assert fxremat.Options().key() != fxremat.Options.from_mapping({"hand_over_grads": False}).key()
