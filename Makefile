@@ -40,6 +40,7 @@ docs: $(STAMP)
 	$(PY) docs/gen_api.py
 
 bench: $(STAMP)
+	$(PY) benchmarks/zoo.py --setup-timm
 	$(PY) benchmarks/compare.py
 
 # No budget against eager and plain torch.compile, side by side (docs/NO_BUDGET.md; the timm rows need `make zoo`'s set-up).

@@ -329,9 +329,94 @@ def build_cnn(quick: bool) -> Workload:
     )
 
 
-MODELS = {"gpt2": build_gpt2, "llama": build_llama, "mlp": build_mlp, "cnn": build_cnn, "bert": build_bert}
-# The default run: about 35 min on 2 shared CPU cores, mostly Inductor compiles (up to 8 per model).
-DEFAULT_MODELS = ("gpt2", "llama", "mlp", "cnn", "bert")
+def build_mixtral(quick: bool) -> Workload:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    s = _size(
+        quick,
+        dict(layers=4, hidden=256, inter=512, experts=4, tokens=256, batch=4, vocab=8192),
+        dict(layers=2, hidden=64, inter=128, experts=4, tokens=64, batch=2, vocab=1024),
+    )
+    cfg = MixtralConfig(
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=s["experts"],
+        num_experts_per_tok=2,
+        vocab_size=s["vocab"],
+        max_position_embeddings=s["tokens"],
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = MixtralForCausalLM(cfg)
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
+    return _hf_workload(
+        model,
+        ids,
+        "HF MixtralForCausalLM (mixture of experts), {layers} layers, hidden {hidden}, {experts} experts of "
+        "MLP {inter}, top-2, {tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA".format(**s),
+    )
+
+
+def _import_timm():
+    """timm from the zoo's set-up (``benchmarks/zoo.py --setup-timm``: its files and torchvision's
+    pure-Python ones, never a second torch), loaded by path: the tests have a ``zoo`` module too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fxremat_benchmarks_zoo", Path(__file__).with_name("zoo.py"))
+    assert spec is not None and spec.loader is not None
+    zoo = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = zoo
+    spec.loader.exec_module(zoo)
+    return zoo.import_timm()
+
+
+def _timm_workload(name: str, quick: bool, **kwargs) -> Workload:
+    """A timm classifier compiled whole, its loss computed outside (``F.cross_entropy(model(x), y)``),
+    as timm's training scripts do; per-layer checkpointing is timm's ``set_grad_checkpointing``."""
+    import torch
+    import torch.nn.functional as F
+
+    timm = _import_timm()
+    s = _size(quick, dict(image=64, batch=8), dict(image=32, batch=2))
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    x = torch.randn(s["batch"], 3, s["image"], s["image"])
+    y = torch.randint(0, 10, (s["batch"],))
+    return Workload(
+        model,
+        lambda m: F.cross_entropy(m(x), y),
+        lambda: model.set_grad_checkpointing(True),
+        "timm {name} (pretrained=False), {image}x{image} images, batch {batch}, 10 classes, loss outside "
+        "the compiled model".format(name=name, **s),
+        (x,),
+    )
+
+
+def build_resnet18(quick: bool) -> Workload:
+    return _timm_workload("resnet18", quick)
+
+
+def build_convnext(quick: bool) -> Workload:
+    return _timm_workload("convnext_atto", quick)
+
+
+MODELS = {
+    "gpt2": build_gpt2,
+    "llama": build_llama,
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "bert": build_bert,
+    "mixtral": build_mixtral,
+    "resnet18": build_resnet18,
+    "convnext": build_convnext,
+}
+# The default run: about 85 min on 2 shared CPU cores, mostly Inductor compiles (up to 8 per model;
+# a timm CNN's compile takes 1-2 min).
+DEFAULT_MODELS = ("gpt2", "llama", "mlp", "cnn", "bert", "mixtral", "resnet18", "convnext")
 QUICK_MODELS = ("gpt2", "mlp")
 
 
@@ -1085,7 +1170,7 @@ def main(argv=None) -> None:
         "--models",
         nargs="+",
         choices=list(MODELS),
-        help="models to run (default: gpt2 llama mlp cnn bert; quick: gpt2 mlp)",
+        help="models to run (default: every model; quick: gpt2 mlp)",
     )
     parser.add_argument("--reps", type=int, default=None, help="timed steps per row (default 5; quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring")
