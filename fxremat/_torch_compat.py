@@ -54,6 +54,7 @@ __all__ = [
     "backward_keeps_graph",
     "has_grad_hooks",
     "compile_context_now",
+    "copy_dynamo_graph",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -464,3 +465,19 @@ def compile_context_now():
             yield
 
     return again
+
+
+# Dynamo tells AOTAutograd which inputs are parameters (static_input_indices) through the private
+# `_param_name_to_source` of its GraphModule and `_dynamo_source` of each placeholder, which
+# copy.deepcopy drops: a copy compiled again (a re-plan, the chunked loss) would have none.
+def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A deep copy of Dynamo's graph that AOTAutograd still reads as Dynamo's (its parameters known)."""
+    import copy
+
+    out = copy.deepcopy(gm)
+    if hasattr(gm, "_param_name_to_source"):
+        out._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), out.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return out

@@ -19,12 +19,12 @@ or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradien
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Callable
 
 import torch.fx as fx
 
+from ._torch_compat import copy_dynamo_graph
 from .budget import BudgetError, format_bytes
 from .hardware import get_hardware
 from .options import Options
@@ -84,7 +84,7 @@ def compile_choosing_chunks(
     counts = [chunk_count(site) for site in sites]
     if options.budget is None or max(counts) < 2:
         return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
-    source = copy.deepcopy(gm)
+    source = copy_dynamo_graph(gm)
     try:
         compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:

@@ -14,7 +14,6 @@ drops the logits), once, on the graph's next call.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -26,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ._torch_compat import FakeTensor, StorageWeakRef, fsdp_groups
+from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, fsdp_groups
 from .budget import BudgetError, format_bytes
 from .options import Options
 from .passes.chunk_loss import is_head_gradient
@@ -126,15 +125,15 @@ class TrackedGraph:
     def __init__(self, gm: torch.fx.GraphModule, options: Options, compile_graph: Compile, replannable: bool) -> None:
         self.options = options
         self.compile_graph = compile_graph
-        self.source = copy.deepcopy(gm) if replannable else None
+        self.source = copy_dynamo_graph(gm) if replannable else None
         self.compiled: Callable | None = None
         self.plan: Plan | None = None
         self.pending: Options | None = None
         self.released = False  # re-planned once with the outputs released
         self.assumed_released = False  # planned with the outputs released before any step showed it
         self.returned_peak: int | None = None
-        """No budget: the plan's own prediction (gradients returned at the end), while the running plan
-        shows the one of a step whose parameters' ``.grad`` exist (``_note_grads``)."""
+        """The plan's own prediction (gradients returned at the end), while the running plan shows the
+        one of a step whose parameters' ``.grad`` exist (``_note_grads``)."""
         self.reserved: dict[frozenset, int] = {}
         self.user_budget = options.budget
         self.repeats: list[tuple[int, int]] = []
@@ -176,7 +175,9 @@ class TrackedGraph:
         user_budget = budget
         budget -= self.options.reserve  # the rest of the step's memory is not this graph's
         planned = self.options.repeats
-        single = plan.predicted_peak - (planned - 1) * plan.saved_bytes
+        # The plan's own prediction (gradients kept to the end), not a step's with .grad allocated.
+        planned_peak = plan.predicted_peak if self.returned_peak is None else self.returned_peak
+        single = planned_peak - (planned - 1) * plan.saved_bytes
         calls = max(n for n, _ in contexts)
         others = max(extra for _, extra in contexts)
         worst = max(single + (n - 1) * plan.saved_bytes + extra for n, extra in contexts)
@@ -210,15 +211,16 @@ class TrackedGraph:
         if self.pending is not None and self.source is not None:
             options, self.pending = self.pending, None
             try:
-                self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
+                self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
             except BudgetError as exc:
                 # The step as a whole does not fit: keep training at this graph's least plan, loudly.
                 options = dataclasses.replace(options, on_infeasible="min")
                 warnings.warn(
                     f"fxremat: the graphs of this step together need more than the budget: {exc}", stacklevel=2
                 )
-                self.compiled, self.plan = self.compile_graph(copy.deepcopy(self.source), list(args), options)
+                self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
             self.options = options
+            self.returned_peak = None  # the new plan's prediction is its own
             if self.plan is not None:
                 _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
         assert self.compiled is not None
@@ -293,7 +295,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
                     budget, need + planned.reserve, where=f"a graph run while {', '.join(holders)} hold memory"
                 ) from None
             planned = dataclasses.replace(planned, on_infeasible="min")
-            graph.compiled, graph.plan = compile_graph(copy.deepcopy(graph.source), example_inputs, planned)
+            graph.compiled, graph.plan = compile_graph(copy_dynamo_graph(graph.source), example_inputs, planned)
             _reserve(
                 holders,
                 key,
@@ -408,7 +410,7 @@ def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs
     if held_error.least_peak - _output_bytes(graph.source) <= held_error.budget:
         dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
         try:
-            graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, dropped)
+            graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, dropped)
         except BudgetError:
             pass
         else:
@@ -416,7 +418,7 @@ def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs
     if options.on_infeasible == "error":
         raise held_error  # what planning with the user's options raises again
     # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
-    graph.compiled, graph.plan = graph.compile_graph(copy.deepcopy(graph.source), example_inputs, options)
+    graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, options)
     return options
 
 
@@ -487,7 +489,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     def backward_started(_grads) -> None:
         call.backward_started = True
         graph.check_repeats()
-        if options.budget is None and options.hand_over_grads:
+        if options.hand_over_grads:
             _note_grads(graph, all((p := r()) is not None and p.grad is not None for r in params))
         if graph.assumed_released and options.budget is not None:
             alive = call.outputs_alive()
@@ -538,9 +540,10 @@ def _node(outputs) -> weakref.ref | None:
 
 
 def _note_grads(graph: TrackedGraph, exist: bool) -> None:
-    """No budget: the running plan's prediction follows whether this backward finds the parameters'
-    ``.grad`` allocated (its gradients are then added in as they are made, ``fxremat/grads.py``) or
-    not (they stay alive to the end as new ``.grad``): the same plan and programs, no recompile."""
+    """The running plan's prediction follows whether this backward finds the parameters' ``.grad``
+    allocated (its gradients are then added in as they are made, ``fxremat/grads.py``) or not (they
+    stay alive to the end as new ``.grad``): the same plan and programs, no recompile. Under a budget
+    the plan was chosen for the second case, the higher peak, so it fits both."""
     plan = graph.plan
     if plan is None or exist == (graph.returned_peak is not None):
         return

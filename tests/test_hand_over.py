@@ -203,3 +203,33 @@ def test_the_option_is_validated_and_part_of_the_plan_key():
     with pytest.raises(TypeError, match="hand_over_grads"):
         fxremat.Options.from_mapping({"hand_over_grads": "yes"})
     assert fxremat.Options().key() != fxremat.Options.from_mapping({"hand_over_grads": False}).key()
+
+
+def test_under_a_budget_the_plan_fits_and_the_prediction_follows_the_step():
+    x = torch.randn(BATCH, WIDTH)
+    explained = fxremat.explain(_mlp(), x, inner="eager", time_slack=0)
+    budget = explained.predicted_peak - 1  # binding: the fastest plan does not fit
+    fxremat.clear_plans()
+    model, compiled, reference = _pair(budget=budget)
+    _steps(compiled, reference, x, n=1)  # .grad None: the gradients are kept, as planned
+    plan = fxremat.running_plans()[-1]
+    assert plan.predicted_peak <= budget and plan.accumulating_peak < plan.predicted_peak
+    measured = fxremat.measure(lambda: _loss(compiled, x).backward(), reps=1, warmup=1)
+    running = fxremat.running_plans()[-1]
+    assert running.predicted_peak == plan.accumulating_peak
+    assert abs(measured.peak_bytes - running.predicted_peak) <= 16 and measured.peak_bytes <= budget
+
+
+def test_a_graph_planned_again_still_knows_its_parameters():
+    # Re-plans compile a copy of Dynamo's graph; AOTAutograd learns which inputs are parameters from
+    # Dynamo's private attributes, which a plain deepcopy drops (then nothing would be handed over).
+    from fxremat import planner
+
+    x = torch.randn(BATCH, WIDTH)
+    budget = fxremat.explain(_mlp(), x, inner="eager", time_slack=0).predicted_peak - 1
+    torch._dynamo.reset()  # Dynamo would reuse an earlier test's graph for this model: no planning
+    _, compiled, _ = _pair(budget=budget)
+    with planner.watch() as planned:
+        _loss(compiled, x).backward()
+    assert len(planned) >= 1 and all(analysis.param_outputs for analysis, _, _ in planned)
+    assert planned[-1][0].param_outputs == tuple(i for i in range(2 * DEPTH + 1) if i != 2)
