@@ -142,7 +142,11 @@ def _compile_and_observe(name: str, budget, monkeypatch):
     fxremat.clear_plans()
     base, inputs = ZOO[name]()
     model = copy.deepcopy(base)
-    compiled = torch.compile(model, backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor"))
+    # Gradients returned at the end (hand_over_grads off): only the planned forward and backward are
+    # compiled, the last two programs the hooks see.
+    compiled = torch.compile(
+        model, backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor", hand_over_grads=False)
+    )
     with (
         inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False),
         warnings.catch_warnings(),

@@ -57,7 +57,8 @@ def test_dropped_outputs_are_planned_as_released_from_the_next_call(recwarn):
     assert second is not first, "no re-plan after the logits were dropped"
     assert steps._GRAPHS.get(second.graph) is not None  # later graphs of a step find it by its new name
     # The replaced plan is history, not what runs (the running one predicts this step: .grad exists).
-    assert [p.graph for p in fxremat.running_plans()] == [second.graph] != [first.graph]
+    running = [p.graph for p in fxremat.running_plans()]
+    assert second.graph in running and first.graph not in running
     # Planned with the logits freed when the backward starts: no more memory, fewer recomputations.
     assert second.predicted_peak <= budget and second.recompute_seconds <= first.recompute_seconds
     model.zero_grad(set_to_none=False)

@@ -26,7 +26,7 @@ __all__ = ["HAND_OVER", "HAND_OVER_SPEC", "hand_over_gradients", "handed_over"]
 
 HAND_OVER = "fxremat_hand_over"
 """``node.meta`` key of a hand-over node: the backward output index it hands over."""
-HAND_OVER_SPEC = "fxremat_hand_over"
+HAND_OVER_SPEC = "fxremat_hand_over_spec"
 """``GraphModule.meta`` key of a planned backward: ``(parameter output indices, graph inputs)``, what
 ``hand_over_gradients`` needs to build the program that hands their gradients over."""
 
