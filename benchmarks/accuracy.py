@@ -1,12 +1,17 @@
 """Predicted vs measured peak for the test zoo at three budgets; writes docs/ACCURACY.md.
 
-    .venv/bin/python benchmarks/accuracy.py [--inductor MODEL ...]
+    .venv/bin/python benchmarks/accuracy.py [--inductor MODEL ...] [--keep-eager]
 
 For every model of tests/zoo.py and three budgets (the fastest plan's peak,
 halfway, and the least reachable peak), one compile with fxremat and one
-measured training step. "predicted" is the largest plan's predicted peak
-(models with graph breaks compile into several graphs; the step's measured
-peak spans them all). Each row runs in a fresh subprocess.
+measured training step; under Inductor also benchmarks/compare.py's models at
+their full sizes ("bench:gpt2", ..., "bench:resnet18": HF models compiled
+whole, timm CNNs with the loss outside the model). "predicted" is the largest
+prediction of the plans the measured step ran (``fxremat.running_plans()``;
+models with graph breaks compile into several graphs; the step's measured peak
+spans them all). The measured step finds the parameters' ``.grad`` allocated
+(``zero_grad(set_to_none=False)``), so each gradient is added in as it is
+made. Each row runs in a fresh subprocess, with one intra-op thread.
 """
 
 from __future__ import annotations
@@ -23,6 +28,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 MODELS = ["mlp", "cnn", "transformer", "dropout", "inplace_views", "gpt2", "llama"]
+# Models of benchmarks/compare.py at their full size, named "bench:NAME" (Inductor rows only).
+BENCH = "bench:"
+BENCH_MODELS = [BENCH + name for name in ("gpt2", "llama", "bert", "mixtral", "resnet18", "convnext")]
+
+
+def _model(model: str):
+    """(the module users compile, what ``explain`` plans, its inputs, the step's loss of a module)."""
+    if model.startswith(BENCH):
+        # benchmarks/compare.py's workloads at their full sizes: HF models compiled whole with the loss
+        # taken from ``.loss`` (explain plans the loss-only module, as that compile ends up planned),
+        # timm CNNs with the loss computed outside the compiled model.
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("fxremat_benchmarks_compare", ROOT / "benchmarks" / "compare.py")
+        assert spec is not None and spec.loader is not None
+        compare = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = compare
+        spec.loader.exec_module(compare)
+        work = compare.MODELS[model[len(BENCH) :]](False)
+        return work.model, work.loss_only, work.inputs, work.loss
+    from zoo import ZOO
+
+    base, inputs = ZOO[model]()
+    return base, base, inputs, lambda m: m(*inputs)
 
 
 def row(model: str, inner: str, which: str) -> dict:
@@ -32,13 +61,13 @@ def row(model: str, inner: str, which: str) -> dict:
     import torch
 
     import fxremat
-    from zoo import ZOO
 
-    base, inputs = ZOO[model]()
-    fastest = fxremat.explain(base, *inputs, inner=inner, time_slack=0).predicted_peak
+    torch.set_num_threads(1)
+    base, planned, inputs, loss = _model(model)
+    fastest = fxremat.explain(planned, *inputs, inner=inner, time_slack=0).predicted_peak
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        least = fxremat.explain(base, *inputs, inner=inner, budget=1, on_infeasible="min").predicted_peak
+        least = fxremat.explain(planned, *inputs, inner=inner, budget=1, on_infeasible="min").predicted_peak
     budget = {"fastest": fastest, "half": (fastest + least) // 2, "least": least}[which]
     torch._dynamo.reset()
     fxremat.clear_plans()
@@ -46,10 +75,11 @@ def row(model: str, inner: str, which: str) -> dict:
     compiled = torch.compile(model_c, backend=fxremat.backend(budget=budget, inner=inner))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled(*inputs).backward()
+        loss(compiled).backward()
         model_c.zero_grad(set_to_none=False)
-        m = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
-    plans = fxremat.plans()
+        m = fxremat.measure(lambda: loss(compiled).backward(), reps=1, warmup=1)
+    # The plans the measured step ran, predicted for it (the parameters' .grad exist: see README).
+    plans = fxremat.running_plans()
     predicted = max(p.predicted_peak for p in plans)
     return {
         "model": model,
@@ -65,7 +95,7 @@ def row(model: str, inner: str, which: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--row", nargs=3, metavar=("MODEL", "INNER", "WHICH"))
-    parser.add_argument("--inductor", nargs="*", default=["mlp", "transformer", "cnn", "llama"])
+    parser.add_argument("--inductor", nargs="*", default=["mlp", "transformer", "cnn", "llama", *BENCH_MODELS])
     parser.add_argument(
         "--keep-eager",
         action="store_true",

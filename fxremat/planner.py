@@ -123,6 +123,8 @@ class Lowered:
     """Where ``peak`` comes from: "inductor" (its program), "simulation", or "simulation+allowance"."""
     other_peak: int = 0
     """Under Inductor: the peak with the other assumption about the outputs (``InductorStep.other_peak``)."""
+    forward_peak: int | None = None
+    """Under Inductor: the forward program's own peak, when this run lowered it (not from the plan cache)."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +309,7 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         )
         peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) + held
         return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
-    return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held)
+    return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held, step.forward_peak)
 
 
 def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str) -> Choice:
@@ -371,7 +373,12 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
     held_calls = options.repeats - 1
     if lowered.source == "inductor":
         step = predict_step(
-            lowered.forward, backward, analysis.num_fwd_outputs, analysis.scratch, outputs_released=assumed
+            lowered.forward,
+            backward,
+            analysis.num_fwd_outputs,
+            analysis.scratch,
+            outputs_released=assumed,
+            forward_peak=lowered.forward_peak,
         )
         extra = held_calls * lowered.simulation.saved_bytes
         return step.peak + extra, (step.peak if assumed else step.other_peak) + extra

@@ -115,13 +115,19 @@ def predict_step(
     scratch_by_name: dict[str, int] | None = None,
     *,
     outputs_released: bool = False,
+    forward_peak: int | None = None,
 ) -> InductorStep:
-    """The peak of the step Inductor runs for the planned ``fw`` and ``bw``."""
+    """The peak of the step Inductor runs for the planned ``fw`` and ``bw``.
+
+    ``forward_peak``: the forward's, when an earlier prediction lowered this same ``fw``
+    (another version of the backward): its dry lowering is then skipped.
+    """
     scratch = scratch_by_name or {}
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
     caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
-    fw_events = inductor_program_events(fw, is_backward=False)
-    forward_peak, _ = replay(fw_events, {n.name: (("input", n.name), 0, False) for n in fw_inputs}, 0, scratch)
+    if forward_peak is None:
+        fw_events = inductor_program_events(fw, is_backward=False)
+        forward_peak, _ = replay(fw_events, {n.name: (("input", n.name), 0, False) for n in fw_inputs}, 0, scratch)
 
     outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
