@@ -233,3 +233,15 @@ def test_a_graph_planned_again_still_knows_its_parameters():
         _loss(compiled, x).backward()
     assert len(planned) >= 1 and all(analysis.param_outputs for analysis, _, _ in planned)
     assert planned[-1][0].param_outputs == tuple(i for i in range(2 * DEPTH + 1) if i != 2)
+
+
+def test_compiled_autograd_runs_the_usual_version_and_gets_every_gradient():
+    # Compiled autograd traces AOTAutograd's backward graph itself (the version returning the gradients).
+    model, compiled, reference = _pair()
+    x = torch.randn(BATCH, WIDTH)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        for _ in range(2):
+            loss = _loss(compiled, x)
+            torch.compile(lambda: loss.backward(), backend="eager")()
+            _loss(reference, x).backward()
+    _assert_grads_equal(model, reference)
