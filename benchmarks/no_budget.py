@@ -18,8 +18,8 @@ allocator's state do not leak from one row into the next):
 - ``fxremat_fastest``: ``torch.compile(model, backend="fxremat", options={"time_slack": 0})``,
   the fastest plan (the old no-budget default).
 
-Models: the five of ``benchmarks/compare.py`` (``gpt2 llama mlp cnn bert``, its
-full sizes, its loss) and models of ``benchmarks/zoo.py``'s registry, named
+Models: those of ``benchmarks/compare.py`` (``gpt2 llama mlp cnn bert mixtral
+resnet18 convnext``, its full sizes, its loss) and models of ``benchmarks/zoo.py``'s registry, named
 ``zoo:NAME`` (its tiny configs, its loss: ``model(**inputs).loss`` for HF,
 ``F.cross_entropy(model(x), y)`` for timm). HF models are compiled whole.
 
@@ -63,7 +63,7 @@ MIB = 2**20
 STRATEGIES = ("eager", "inductor", "fxremat", "fxremat_fastest")
 FXREMAT_STRATEGIES = ("fxremat", "fxremat_fastest")
 ZOO = "zoo:"
-COMPARE_DEFAULT = ("gpt2", "llama", "mlp", "cnn", "bert")
+COMPARE_DEFAULT = ("gpt2", "llama", "mlp", "cnn", "bert", "mixtral", "resnet18", "convnext")
 ZOO_DEFAULT = (
     "gpt2",
     "llama",
@@ -469,7 +469,7 @@ fastest plan (the old no-budget default), for comparison.
 
 Every row (model x eager / inductor / fxremat / fxremat `time_slack=0`) runs
 in a fresh subprocess, from the same initial weights (seed 0). The models are
-`benchmarks/compare.py`'s five at its full sizes and, as `zoo:NAME`,
+`benchmarks/compare.py`'s at its full sizes and, as `zoo:NAME`,
 `benchmarks/zoo.py`'s tiny configs; HF models are compiled whole and use their
 own loss. Peak: `fxremat.measure`'s peak of live memory the step allocates
 above the pre-step baseline. Step time: the median of the timed steps, on a
