@@ -277,7 +277,9 @@ def inductor_program_events(
         Plain tuples, in program order:
         ``("alloc", name, bytes)``, ``("free", name)``, ``("reuse", old, new)``
         (``new`` takes ``old``'s memory), ``("alias", old, new)`` (``new`` is a view
-        of ``old``), ``("kernel", origin_names)`` (a kernel runs; its fx origins).
+        of ``old``), ``("kernel", origin_names)`` (a kernel runs; its fx origins), for an
+        extern kernel ``("kernel", origin_names, (fx node, input strides))``: the node it
+        runs and the strides Inductor gives its tensor inputs.
     """
     import copy
 
@@ -307,6 +309,23 @@ def inductor_program_events(
     def origins(node) -> tuple[str, ...]:
         return tuple(sorted(o.name for o in getattr(node, "origins", ()) or ()))
 
+    def extern(node) -> tuple[str, tuple] | None:
+        """(the fx node an extern kernel runs, the strides of its tensor inputs as Inductor lays them out)."""
+        op = getattr(node, "op_overload", None)
+        origin = getattr(node, "origin_node", None) or next(
+            (o for o in getattr(node, "origins", ()) or () if getattr(o, "target", None) is op), None
+        )
+        if origin is None:
+            return None
+        try:
+            strides = tuple(
+                tuple(int(V.graph.sizevars.optimization_hint(s, fallback=0)) for s in x.get_stride())
+                for x in node.inputs
+            )
+        except (AttributeError, NotImplementedError, TypeError):
+            return None
+        return origin.name, strides
+
     # `cpp.simdlen = 1` matches no vector ISA, so the C++ backend writes scalar kernels only.
     scalar = {} if vectorized else {"cpp.simdlen": 1}
     with DebugContext(), V.set_fake_mode(fake_mode), torch.no_grad(), inductor_config.patch(scalar):
@@ -333,11 +352,11 @@ def inductor_program_events(
                     events.append(("free", line.node.get_name()))
                 elif isinstance(line, w.ExternKernelAllocLine):
                     events.append(("alloc", line.node.get_name(), nbytes(line.node)))
-                    events.append(("kernel", origins(line.node)))
+                    events.append(("kernel", origins(line.node), extern(line.node)))
                 elif isinstance(line, w.MultiOutputLine):
                     events.append(("alloc", line.result_name, nbytes(graph.get_buffer(line.result_name))))
                 elif isinstance(line, w.ExternKernelOutLine):
-                    events.append(("kernel", origins(line.node)))
+                    events.append(("kernel", origins(line.node), extern(line.node)))
                 elif isinstance(line, w.KernelCallLine):
                     events.append(("kernel", ()))
     return events

@@ -40,7 +40,7 @@ from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes, specialize_sizes
 from .passes.reference import Reference, as_decision, pointwise_only
-from .passes.scratch import measure_scratch
+from .passes.scratch import ScratchAt, measure_scratch
 from .passes.simulate import Simulation, simulate
 from . import plan_cache, ranks
 from .grads import HAND_OVER_OP
@@ -103,6 +103,8 @@ class Analysis:
     static_lifetime_input_nodes: object
     recomputes_rng: bool
     seconds: dict[str, float]
+    scratch_at: ScratchAt | None = None
+    """Under Inductor: op workspace at the input strides Inductor gives its extern kernels."""
     param_outputs: tuple[int, ...] = ()
     """Backward outputs that are parameters' gradients (static-lifetime inputs), handed over to
     ``.grad`` as they are made when ``Options.hand_over_grads`` (``passes/hand_over.py``)."""
@@ -266,6 +268,7 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
         info.static_lifetime_input_nodes,
         recomputes_rng,
         seconds,
+        ScratchAt(list(joint.graph.nodes)) if fusion and options.measure_scratch else None,
     )
 
 
@@ -299,7 +302,12 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1])
     try:
         step = predict_step(
-            fw, bw, analysis.num_fwd_outputs, analysis.scratch, outputs_released=options.release_outputs is True
+            fw,
+            bw,
+            analysis.num_fwd_outputs,
+            analysis.scratch,
+            outputs_released=options.release_outputs is True,
+            scratch_at=analysis.scratch_at,
         )
     except Exception as e:  # noqa: BLE001 - any failure of the dry lowering must not stop training
         warnings.warn(
@@ -379,6 +387,7 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
             analysis.scratch,
             outputs_released=assumed,
             forward_peak=lowered.forward_peak,
+            scratch_at=analysis.scratch_at,
         )
         extra = held_calls * lowered.simulation.saved_bytes
         return step.peak + extra, (step.peak if assumed else step.other_peak) + extra

@@ -22,6 +22,7 @@ needs it runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -60,6 +61,7 @@ def replay(
     inputs: dict[str, tuple[object, int, bool]],
     start: int,
     scratch_by_name: dict[str, int],
+    scratch_at: Callable[[str, tuple], int | None] | None = None,
 ) -> tuple[int, int]:
     """Replay a program's memory events; returns (peak, live at the end).
 
@@ -69,6 +71,9 @@ def replay(
             share one block, freed (when freeable) once all of them are deleted.
         start: live bytes when the program starts (held inputs included).
         scratch_by_name: workspace bytes of fx nodes, added while their kernel runs.
+        scratch_at: the workspace of an extern kernel's fx node at the input strides
+            Inductor gives it, when they differ from the graph's (``passes.scratch.ScratchAt``);
+            None where they do not.
     """
     refs: dict[object, int] = {}
     size: dict[object, int] = {}
@@ -102,8 +107,13 @@ def replay(
                 if refs[key] == 0 and freeable[key]:
                     live -= size[key]
         elif kind == "kernel":
-            live_now = live + max((scratch_by_name.get(o, 0) for o in event[1]), default=0)
-            peak = max(peak, live_now)
+            scratch = {o: scratch_by_name.get(o, 0) for o in event[1]}
+            extern = event[2] if len(event) > 2 else None
+            if extern is not None and scratch_at is not None:
+                at = scratch_at(*extern)
+                if at is not None:
+                    scratch[extern[0]] = at
+            peak = max(peak, live + max(scratch.values(), default=0))
         peak = max(peak, live)
     return peak, live
 
@@ -116,18 +126,21 @@ def predict_step(
     *,
     outputs_released: bool = False,
     forward_peak: int | None = None,
+    scratch_at: Callable[[str, tuple], int | None] | None = None,
 ) -> InductorStep:
     """The peak of the step Inductor runs for the planned ``fw`` and ``bw``.
 
     ``forward_peak``: the forward's, when an earlier prediction lowered this same ``fw``
-    (another version of the backward): its dry lowering is then skipped.
+    (another version of the backward): its dry lowering is then skipped. ``scratch_at``:
+    see ``replay``.
     """
     scratch = scratch_by_name or {}
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
     caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
     if forward_peak is None:
         fw_events = inductor_program_events(fw, is_backward=False)
-        forward_peak, _ = replay(fw_events, {n.name: (("input", n.name), 0, False) for n in fw_inputs}, 0, scratch)
+        fw_inputs_at: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
+        forward_peak, _ = replay(fw_events, fw_inputs_at, 0, scratch, scratch_at)
 
     outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
@@ -150,7 +163,7 @@ def predict_step(
     steps = {}
     for released in (outputs_released, not outputs_released):
         inputs, start = _backward_inputs(bw, by_name, caller, {} if released else user, seeds)
-        steps[released] = (replay(bw_events, inputs, start, scratch)[0], start)
+        steps[released] = (replay(bw_events, inputs, start, scratch, scratch_at)[0], start)
     backward_peak, start = steps[outputs_released]
     return InductorStep(
         max(forward_peak, backward_peak),

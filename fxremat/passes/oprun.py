@@ -25,22 +25,23 @@ __all__ = ["MAX_STANDALONE_BYTES", "materialize", "op_signature", "standalone_ca
 MAX_STANDALONE_BYTES = 1 << 30
 
 
-def materialize(val: torch.Tensor) -> torch.Tensor:
+def materialize(val: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """A real tensor shaped like a FakeTensor ``val`` (sizes at their hints, same strides, dtype, device).
 
+    ``stride``: other strides to lay it out with (a compiler's layout of the same value).
     Floating-point values are uniform in [0.1, 1) (positive: safe for log, sqrt,
     division); integers and bools are zeros (valid indices).
     """
     shape = [size_hint(s) for s in val.shape]
-    stride = [size_hint(s) for s in val.stride()]
+    strides = list(stride) if stride is not None else [size_hint(s) for s in val.stride()]
     # Fill the backing storage, then view it: expanded (stride 0) tensors cannot be written.
-    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
     flat = torch.empty(extent, dtype=val.dtype, device=val.device)
     if val.dtype.is_floating_point or val.dtype.is_complex:
         flat.uniform_(0.1, 1.0)
     else:
         flat.zero_()
-    return flat.as_strided(shape, stride)
+    return flat.as_strided(shape, strides)
 
 
 def op_signature(node: fx.Node) -> tuple:
@@ -63,10 +64,10 @@ def op_signature(node: fx.Node) -> tuple:
     return (node.target, repr(args), repr(kwargs))
 
 
-def _concrete(value, keep_symints: bool):
+def _concrete(value, keep_symints: bool, stride: tuple[int, ...] | None = None):
     """A node's value with tensors materialized and symbolic ints at their hints (or kept), others as they are."""
     if isinstance(value, torch.Tensor):
-        return materialize(value)
+        return materialize(value, stride)
     if isinstance(value, (list, tuple)):
         return type(value)(_concrete(v, keep_symints) for v in value)
     if isinstance(value, torch.SymInt) and not keep_symints:
@@ -74,7 +75,9 @@ def _concrete(value, keep_symints: bool):
     return value
 
 
-def standalone_call(node: fx.Node, *, keep_symints: bool = False) -> Callable[[], object]:
+def standalone_call(
+    node: fx.Node, *, keep_symints: bool = False, strides: dict[fx.Node, tuple[int, ...]] | None = None
+) -> Callable[[], object]:
     """A zero-argument callable running ``node``'s op on fresh real inputs (made now, once).
 
     Args:
@@ -83,12 +86,14 @@ def standalone_call(node: fx.Node, *, keep_symints: bool = False) -> Callable[[]
         keep_symints: pass symbolic-int arguments to the op as they are instead of
             at their hints; the op then guards each to its current value, which
             specializes the graph's sizes (one compile per size under ``dynamic=True``).
+        strides: input node -> the strides to lay that input out with instead of its own.
 
     Example:
         >>> with real_tensors():  # doctest: +SKIP
         ...     out = standalone_call(node)()
     """
-    real = {a: _concrete(a.meta.get("val"), keep_symints) for a in node.all_input_nodes}
+    strides = strides or {}
+    real = {a: _concrete(a.meta.get("val"), keep_symints, strides.get(a)) for a in node.all_input_nodes}
     args = fx.node.map_arg(node.args, lambda a: real[a])
     kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
     target = node.target

@@ -22,10 +22,10 @@ import torch.fx as fx
 
 from .._torch_compat import EventType, op_schema, profiler_is_enabled
 from ..quiet import quiet_stderr
-from .opinfo import is_op_call, nbytes_hint
+from .opinfo import is_op_call, nbytes_hint, size_hint
 from .oprun import MAX_STANDALONE_BYTES, op_signature, real_tensors, standalone_call
 
-__all__ = ["measure_scratch"]
+__all__ = ["measure_scratch", "ScratchAt"]
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,18 @@ def _scratch(node: fx.Node, peak: int, out) -> int:
     return max(0, peak - produced)
 
 
-def _call(node: fx.Node) -> Callable[[], object]:
+Strides = dict[fx.Node, tuple[int, ...]]
+
+
+def _call(node: fx.Node, strides: Strides | None = None) -> Callable[[], object]:
     # Symbolic-int arguments go to the op unevaluated, so the op guards them to the sizes
     # scratch is measured at: under dynamic shapes a new size recompiles and is measured anew.
-    return standalone_call(node, keep_symints=True)
+    return standalone_call(node, keep_symints=True, strides=strides)
 
 
-def _run_cuda(node: fx.Node) -> int:
+def _run_cuda(node: fx.Node, strides: Strides | None = None) -> int:
     try:
-        call = _call(node)
+        call = _call(node, strides)
         device = _device(node)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -100,8 +103,9 @@ def _run_cuda(node: fx.Node) -> int:
         return 0
 
 
-def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
-    """Run every op once inside one profiler session, each under its own marker."""
+def _run_cpu(items: list[tuple[tuple, fx.Node]], strides: Strides | None = None) -> dict[tuple, int]:
+    """Run every op once inside one profiler session, each under its own marker (inputs laid out
+    with ``strides`` where it names them)."""
     if profiler_is_enabled():
         # A profiler is already running (compiling inside fxremat.measure or a user's
         # trace): sessions do not nest, so CPU workspace is unknown for this graph.
@@ -112,7 +116,7 @@ def _run_cpu(items: list[tuple[tuple, fx.Node]]) -> dict[tuple, int]:
     with quiet_stderr(), torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         for i, (_, node) in enumerate(items):
             try:
-                call = _call(node)
+                call = _call(node, strides)
                 with torch.profiler.record_function(f"{_MARKER}{i}"):
                     out = call()
                 outs[i] = out
@@ -150,3 +154,47 @@ def _collect(event, items, outs, result) -> None:
         return
     for child in event.children:
         _collect(child, items, outs, result)
+
+
+class ScratchAt:
+    """Workspace of a graph's ops at the input strides a compiler hands them, measured on demand.
+
+    The joint graph's strides are AOTAutograd's; Inductor lays a fallback kernel's inputs out
+    its own way, and some kernels' workspace depends on the layout: timm convnext's depthwise
+    7x7 ``convolution_backward`` allocates 15.5 MiB with channels-last inputs (the joint
+    graph's), 0.6 MiB with the contiguous ones Inductor passes. ``measure_scratch`` measured
+    each node at its own strides; this measures a node again where the strides differ (once
+    per op signature and strides) and answers None where they do not.
+    """
+
+    def __init__(self, nodes: list[fx.Node]) -> None:
+        self.nodes = {n.name: n for n in nodes if is_op_call(n)}
+        self.measured: dict[tuple, int | None] = {}
+
+    def __call__(self, name: str, strides: tuple) -> int | None:
+        """Workspace bytes of node ``name`` with its tensor inputs at ``strides`` (one tuple per
+        tensor input, in order), or None when those are its own strides or it cannot be run."""
+        node = self.nodes.get(name)
+        if node is None:
+            return None
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        try:
+            own = tuple(tuple(size_hint(s) for s in a.meta["val"].stride()) for a in inputs)
+        except Exception:  # noqa: BLE001 - a size without a hint: keep the measurement made at graph strides
+            return None
+        if len(strides) != len(inputs) or tuple(map(tuple, strides)) == own or any(s is None for s in strides):
+            return None
+        vals = [a.meta["val"] for a in inputs]
+        if nbytes_hint(node.meta.get("val")) + nbytes_hint(vals) > MAX_STANDALONE_BYTES:
+            return None
+        key = (op_signature(node), tuple(map(tuple, strides)))
+        if key not in self.measured:
+            layout = {a: tuple(st) for a, st in zip(inputs, strides)}
+            with real_tensors():
+                if _device(node).type == "cuda":
+                    self.measured[key] = _run_cuda(node, layout)
+                else:
+                    # None where it could not run (a profiler already active, an op that
+                    # rejects the inputs): the measurement at the graph's strides stands.
+                    self.measured[key] = _run_cpu([(key, node)], layout).get(key)
+        return self.measured[key]
