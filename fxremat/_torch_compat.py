@@ -277,7 +277,8 @@ def inductor_program_events(
         Plain tuples, in program order:
         ``("alloc", name, bytes)``, ``("free", name)``, ``("reuse", old, new)``
         (``new`` takes ``old``'s memory), ``("alias", old, new)`` (``new`` is a view
-        of ``old``), ``("kernel", origin_names)`` (a kernel runs; its fx origins), for an
+        of ``old``), ``("hold", tuple, part)`` (a kernel's returned tuple holds one of its
+        outputs until the tuple is freed), ``("kernel", origin_names)`` (a kernel runs; its fx origins), for an
         extern kernel ``("kernel", origin_names, (fx node, input strides))``: the node it
         runs and the strides Inductor gives its tensor inputs.
     """
@@ -338,6 +339,13 @@ def inductor_program_events(
         with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
             graph.run(*vals)
             graph.codegen()
+            # Tuple-returning kernel -> the outputs taken straight out of its tuple.
+            parts: dict[str, list] = {}
+            for buf in graph.buffers:
+                if isinstance(buf, ir.MultiOutput) and buf.inputs and isinstance(buf.inputs[0], ir.Buffer):
+                    if isinstance(buf.inputs[0].layout, ir.MultiOutputLayout):
+                        parts.setdefault(buf.inputs[0].get_name(), []).append(buf)
+            made: set[str] = set()
             for line in graph.wrapper_code.lines:
                 if isinstance(line, w.ReuseLine):
                     events.append(("reuse", line.node.get_name(), line.reused_as.get_name()))
@@ -353,8 +361,15 @@ def inductor_program_events(
                 elif isinstance(line, w.ExternKernelAllocLine):
                     events.append(("alloc", line.node.get_name(), nbytes(line.node)))
                     events.append(("kernel", origins(line.node), extern(line.node)))
+                    # A kernel returning a tuple makes all its outputs now; the tuple holds
+                    # them until it is deleted, often kernels after the `buf[i]` lines.
+                    for part in parts.get(line.node.get_name(), ()):
+                        events.append(("alloc", part.get_name(), nbytes(part)))
+                        events.append(("hold", line.node.get_name(), part.get_name()))
+                        made.add(part.get_name())
                 elif isinstance(line, w.MultiOutputLine):
-                    events.append(("alloc", line.result_name, nbytes(graph.get_buffer(line.result_name))))
+                    if line.result_name not in made:
+                        events.append(("alloc", line.result_name, nbytes(graph.get_buffer(line.result_name))))
                 elif isinstance(line, w.ExternKernelOutLine):
                     events.append(("kernel", origins(line.node), extern(line.node)))
                 elif isinstance(line, w.KernelCallLine):

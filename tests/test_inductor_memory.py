@@ -50,6 +50,37 @@ def test_replay_frees_only_freeable_inputs_once_every_name_is_gone():
     assert (peak, end) == (45, 5)
 
 
+def test_replay_a_tuple_holds_its_outputs_until_it_is_freed():
+    # `buf3 = conv_backward(...)` makes both outputs at once; `buf4 = buf3[0]` later.
+    events = [
+        ("alloc", "buf3", 0),
+        ("kernel", ("convolution_backward",)),
+        ("alloc", "buf4", 100),
+        ("hold", "buf3", "buf4"),
+        ("alloc", "buf5", 40),
+        ("hold", "buf3", "buf5"),
+        ("free", "buf4"),  # still in the tuple
+        ("alloc", "buf6", 7),
+        ("free", "buf3"),  # buf4 goes with the tuple; buf5 is still named
+    ]
+    peak, end = replay(events, {}, 0, {})
+    assert (peak, end) == (147, 47)
+
+
+def test_a_tuple_returning_kernel_makes_all_its_outputs_when_it_runs():
+    from fxremat._torch_compat import inductor_program_events
+
+    events = inductor_program_events(_depthwise_backward_graph(), is_backward=False)
+    kernel = next(i for i, e in enumerate(events) if e[0] == "kernel" and "convolution_backward" in e[1])
+    held = [e for e in events[kernel:] if e[0] == "hold"]
+    assert len(held) == 2 and len({e[1] for e in held}) == 1, events
+    # Each output is allocated once, right after the kernel, not again at its `buf[i]` line.
+    parts = [e[2] for e in held]
+    assert [e for e in events if e[0] == "alloc" and e[1] in parts] == [
+        e for e in events[kernel : kernel + 5] if e[0] == "alloc"
+    ]
+
+
 def test_replay_donated_input_reused_in_place_allocates_nothing():
     inputs = {"saved": ("s", 64, True)}
     events = [("reuse", "saved", "buf0"), ("kernel", ()), ("free", "buf0")]

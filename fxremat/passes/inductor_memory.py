@@ -79,6 +79,7 @@ def replay(
     size: dict[object, int] = {}
     freeable: dict[object, bool] = {}
     block_of: dict[str, object] = {}
+    held: dict[str, list[object]] = {}  # a tuple's name -> the blocks of the outputs it holds
     for name, (key, nbytes, can_free) in inputs.items():
         block_of[name] = key
         refs[key] = refs.get(key, 0) + 1
@@ -100,12 +101,18 @@ def replay(
             if old in block_of:
                 block_of[new] = block_of[old]
                 refs[block_of[new]] += 1
+        elif kind == "hold":
+            _, whole, part = event
+            if part in block_of:
+                held.setdefault(whole, []).append(block_of[part])
+                refs[block_of[part]] += 1
         elif kind == "free":
-            key = block_of.pop(event[1], None)
-            if key is not None:
-                refs[key] -= 1
-                if refs[key] == 0 and freeable[key]:
-                    live -= size[key]
+            keys = [block_of.pop(event[1], None), *held.pop(event[1], ())]
+            for key in keys:
+                if key is not None:
+                    refs[key] -= 1
+                    if refs[key] == 0 and freeable[key]:
+                        live -= size[key]
         elif kind == "kernel":
             scratch = {o: scratch_by_name.get(o, 0) for o in event[1]}
             extern = event[2] if len(event) > 2 else None
