@@ -167,16 +167,11 @@ def build_gpt2(quick: bool) -> Workload:
     )
 
 
-def build_llama(quick: bool) -> Workload:
+def _decoder_workload(config_cls, model_cls, s: dict, description: str, **config) -> Workload:
+    """A Llama-shaped HF causal LM (4 heads, SDPA, no dropout) sized by ``s``, compiled whole."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = _size(
-        quick,
-        dict(layers=4, hidden=256, inter=688, tokens=256, batch=4, vocab=8192),
-        dict(layers=2, hidden=64, inter=172, tokens=64, batch=2, vocab=1024),
-    )
-    cfg = LlamaConfig(
+    cfg = config_cls(
         hidden_size=s["hidden"],
         intermediate_size=s["inter"],
         num_hidden_layers=s["layers"],
@@ -187,14 +182,27 @@ def build_llama(quick: bool) -> Workload:
         attention_dropout=0.0,
         use_cache=False,
         attn_implementation="sdpa",
+        **config,
     )
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
-    return _hf_workload(
-        model,
-        ids,
+    return _hf_workload(model, ids, description.format(**s))
+
+
+def build_llama(quick: bool) -> Workload:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = _size(
+        quick,
+        dict(layers=4, hidden=256, inter=688, tokens=256, batch=4, vocab=8192),
+        dict(layers=2, hidden=64, inter=172, tokens=64, batch=2, vocab=1024),
+    )
+    return _decoder_workload(
+        LlamaConfig,
+        LlamaForCausalLM,
+        s,
         "HF LlamaForCausalLM, {layers} layers, hidden {hidden}, MLP {inter}, "
-        "{tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA".format(**s),
+        "{tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA",
     )
 
 
@@ -330,7 +338,6 @@ def build_cnn(quick: bool) -> Workload:
 
 
 def build_mixtral(quick: bool) -> Workload:
-    import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     s = _size(
@@ -338,27 +345,14 @@ def build_mixtral(quick: bool) -> Workload:
         dict(layers=4, hidden=256, inter=512, experts=4, tokens=256, batch=4, vocab=8192),
         dict(layers=2, hidden=64, inter=128, experts=4, tokens=64, batch=2, vocab=1024),
     )
-    cfg = MixtralConfig(
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
+    return _decoder_workload(
+        MixtralConfig,
+        MixtralForCausalLM,
+        s,
+        "HF MixtralForCausalLM (mixture of experts), {layers} layers, hidden {hidden}, {experts} experts of "
+        "MLP {inter}, top-2, {tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA",
         num_local_experts=s["experts"],
         num_experts_per_tok=2,
-        vocab_size=s["vocab"],
-        max_position_embeddings=s["tokens"],
-        attention_dropout=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = MixtralForCausalLM(cfg)
-    ids = torch.randint(0, s["vocab"], (s["batch"], s["tokens"]))
-    return _hf_workload(
-        model,
-        ids,
-        "HF MixtralForCausalLM (mixture of experts), {layers} layers, hidden {hidden}, {experts} experts of "
-        "MLP {inter}, top-2, {tokens} tokens, batch {batch}, vocabulary {vocab}, SDPA".format(**s),
     )
 
 
