@@ -146,8 +146,8 @@ def predict_step(
     caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
     if forward_peak is None:
         fw_events = inductor_program_events(fw, is_backward=False)
-        fw_inputs_at: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
-        forward_peak, _ = replay(fw_events, fw_inputs_at, 0, scratch, scratch_at)
+        held: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
+        forward_peak, _ = replay(fw_events, held, 0, scratch, scratch_at)
 
     outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}

@@ -42,14 +42,7 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     first: dict[tuple, fx.Node] = {}
     keyed: list[tuple[fx.Node, tuple]] = []
     for node in nodes:
-        if not is_op_call(node):
-            continue
-        val = node.meta.get("val")
-        tensors = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
-        devices = {t.device.type for t in tensors}
-        if not tensors or "meta" in devices or len(devices) > 1:
-            continue
-        if nbytes_hint(val) + nbytes_hint(tensors) > MAX_STANDALONE_BYTES:
+        if not _measurable(node):
             continue
         key = op_signature(node)
         first.setdefault(key, node)
@@ -63,6 +56,17 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
         measured = {k: _run_cuda(first[k]) for k in cuda}
         measured.update(_run_cpu([(k, first[k]) for k in cpu]))
     return {node: measured.get(key, 0) for node, key in keyed}
+
+
+def _measurable(node: fx.Node) -> bool:
+    """An op call whose tensor inputs sit on one real device and whose run stays small."""
+    if not is_op_call(node):
+        return False
+    tensors = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
+    devices = {t.device.type for t in tensors}
+    if not tensors or "meta" in devices or len(devices) > 1:
+        return False
+    return nbytes_hint(node.meta.get("val")) + nbytes_hint(tensors) <= MAX_STANDALONE_BYTES
 
 
 def _device(node: fx.Node) -> torch.device:
@@ -161,21 +165,21 @@ class ScratchAt:
 
     The joint graph's strides are AOTAutograd's; Inductor lays a fallback kernel's inputs out
     its own way, and some kernels' workspace depends on the layout: timm convnext's depthwise
-    7x7 ``convolution_backward`` allocates 15.5 MiB with channels-last inputs (the joint
-    graph's), 0.6 MiB with the contiguous ones Inductor passes. ``measure_scratch`` measured
+    7x7 ``convolution_backward`` allocates 15.5 MiB with the joint graph's mixed layouts
+    (gradient contiguous, input channels-last), 0.6 MiB with the contiguous ones Inductor passes. ``measure_scratch`` measured
     each node at its own strides; this measures a node again where the strides differ (once
     per op signature and strides) and answers None where they do not.
     """
 
     def __init__(self, nodes: list[fx.Node]) -> None:
-        self.nodes = {n.name: n for n in nodes if is_op_call(n)}
+        self.nodes = {n.name: n for n in nodes if is_op_call(n)}  # checked by _measurable when asked
         self.measured: dict[tuple, int | None] = {}
 
     def __call__(self, name: str, strides: tuple) -> int | None:
         """Workspace bytes of node ``name`` with its tensor inputs at ``strides`` (one tuple per
         tensor input, in order), or None when those are its own strides or it cannot be run."""
         node = self.nodes.get(name)
-        if node is None:
+        if node is None or not _measurable(node):
             return None
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         try:
@@ -183,9 +187,6 @@ class ScratchAt:
         except Exception:  # noqa: BLE001 - a size without a hint: keep the measurement made at graph strides
             return None
         if len(strides) != len(inputs) or tuple(map(tuple, strides)) == own or any(s is None for s in strides):
-            return None
-        vals = [a.meta["val"] for a in inputs]
-        if nbytes_hint(node.meta.get("val")) + nbytes_hint(vals) > MAX_STANDALONE_BYTES:
             return None
         key = (op_signature(node), tuple(map(tuple, strides)))
         if key not in self.measured:
