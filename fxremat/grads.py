@@ -89,20 +89,25 @@ HAND_OVER_OP = torch.ops.fxremat.hand_over.default
 ``index`` (of ``inputs``) and return an empty tensor (``passes/hand_over.py`` places it)."""
 
 
-def existing_grads(indices: tuple[int, ...], inputs: int) -> dict[int, torch.Tensor] | None:
+def existing_grads(indices: tuple[int, ...], edges: tuple[int, ...]) -> dict[int, torch.Tensor] | None:
     """The ``.grad`` of each parameter at ``indices``, when the running backward may add into all of them
-    what autograd's AccumulateGrad would; else None (the gradients go back to autograd)."""
+    what autograd's AccumulateGrad would; else None (the gradients go back to autograd).
+
+    ``edges[i]`` is input ``i``'s position among the autograd node's edges (-1: a size, which has none).
+    """
     node = current_autograd_node()
     if node is None or backward_keeps_graph():
         return None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
-    edges = node.next_functions
-    if len(edges) != inputs:
+    next_functions = node.next_functions
+    if len(next_functions) != sum(1 for e in edges if e >= 0):
         return None  # not the node of the graph these positions were planned for
     grads = {}
     for i in indices:
-        acc = edges[i][0]
+        if edges[i] < 0:
+            return None
+        acc = next_functions[edges[i]][0]
         if acc is None or acc.name() != _ACCUMULATE_GRAD or not engine_runs_node(acc):
             return None
         param = acc.variable
@@ -119,18 +124,21 @@ class HandingOver:
     """A compiled backward, and the version of it that adds the parameters' gradients into ``.grad``
     as it makes them, run when ``existing_grads`` allows (boxed convention: ``backward(args)``)."""
 
-    def __init__(self, returning: Callable, build: Callable[[], Callable], indices: tuple[int, ...], inputs: int):
+    def __init__(
+        self, returning: Callable, build: Callable[[], Callable], indices: tuple[int, ...], edges: tuple[int, ...]
+    ):
         # An instance attribute: the wrappers AOTAutograd puts around a backward copy the instance's __dict__.
         self._boxed_call = True
         self.returning = returning
         self.build = build
         self.indices = indices
-        self.inputs = inputs
+        self.edges = edges
+        """Each graph input's position among the autograd node's edges (-1: a size)."""
         self.accumulating: Callable | None = None
         self.failed = False
 
     def __call__(self, args):
-        grads = None if self.failed else existing_grads(self.indices, self.inputs)
+        grads = None if self.failed else existing_grads(self.indices, self.edges)
         if grads is None:
             return self.returning(args)
         program = self.accumulating
@@ -184,6 +192,6 @@ def handing_over(compile_program: Callable) -> Callable:
         compiled = compile_program(gm, example_inputs, **kwargs)
         if not getattr(compiled, "_boxed_call", False):
             return compiled  # every inner compiler fxremat uses is boxed; another keeps its gradients
-        return HandingOver(compiled, build, indices, spec[1])
+        return HandingOver(compiled, build, indices, spec[2])
 
     return compile_with

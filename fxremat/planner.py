@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import cast
 
+import torch
 import torch.fx as fx
 
 from ._torch_compat import classify_nodes, default_partition, prepare_joint
@@ -358,13 +359,22 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
     )
 
 
-def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...], int] | None:
+def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
     """What the backward's compiler needs to build the program that hands gradients over
-    (``fxremat/grads.py``): the parameters' output positions and the graph's input count."""
+    (``fxremat/grads.py``): the parameters' output positions, the graph's input count, and the
+    autograd edge of each input (-1 for a size: autograd gives only tensor inputs an edge, so a
+    graph with dynamic sizes has fewer edges than inputs)."""
     if not options.hand_over_grads or not analysis.param_outputs:
         return None
-    inputs = sum(1 for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n))
-    return analysis.param_outputs, inputs
+    inputs = [n for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+    edges, edge = [], 0
+    for n in inputs:
+        if isinstance(n.meta.get("val"), torch.Tensor):
+            edges.append(edge)
+            edge += 1
+        else:
+            edges.append(-1)
+    return analysis.param_outputs, len(inputs), tuple(edges)
 
 
 def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -> tuple[int, int] | None:

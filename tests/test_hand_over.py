@@ -66,6 +66,17 @@ def test_gradients_accumulated_over_steps_equal_eager_and_the_adding_version_is_
     assert built() == 1
 
 
+def test_a_graph_with_dynamic_sizes_adds_gradients_into_grad(built):
+    # A second batch size makes Dynamo compile the graph again with the size as an input: autograd
+    # gives the node one edge per tensor input only, one fewer than the graph's inputs.
+    torch._dynamo.reset()  # else Dynamo reuses an earlier test's graph for the first size (no build here)
+    model, compiled, reference = _pair()
+    for batch in (BATCH, BATCH + 16, BATCH + 8):
+        _steps(compiled, reference, torch.randn(batch, WIDTH), n=2)
+    _assert_grads_equal(model, reference)
+    assert built() == 2  # once for the static graph, once for the dynamic one
+
+
 def test_set_to_none_steps_never_build_the_adding_version(built):
     model, compiled, reference = _pair()
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
