@@ -5,11 +5,16 @@ convolution's im2col columns, dropout's float noise before the mask, cuBLAS
 and cuDNN workspaces. The liveness simulation adds each node's scratch to the
 live bytes while the node runs, so predicted peaks match measured ones.
 
-Scratch is measured, not guessed: each distinct (op, argument shapes, dtypes,
-constants) of the graph runs once on real tensors of the graph's device,
+Scratch is measured, not guessed: each distinct (op, argument shapes, strides,
+dtypes, constants) of the graph runs once on real tensors of the graph's device,
 under the allocator's bookkeeping (the profiler's allocation events on CPU,
 ``max_memory_allocated`` on CUDA). Graphs on the meta device, or with ops
 that cannot run on synthetic inputs, get 0 for those nodes.
+
+A measurement is kept for the process (``_KNOWN``): a graph planned again (a
+re-plan inside a running step, perhaps under a profiler, where CPU workspace
+cannot be measured) or another graph with the same op reuses it, and does not
+run the op again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from .oprun import MAX_STANDALONE_BYTES, op_signature, real_tensors, standalone_
 __all__ = ["measure_scratch", "ScratchAt"]
 
 log = logging.getLogger(__name__)
+
+
+# (op signature, device, input strides or None for the graph's own) -> workspace bytes measured
+# in this process. Only measurements are kept: an op that could not run (a profiler active) is
+# tried again by the next graph that has it.
+_KNOWN: dict[tuple, int] = {}
 
 
 def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -49,13 +60,23 @@ def measure_scratch(nodes: list[fx.Node]) -> dict[fx.Node, int]:
         keyed.append((node, key))
     if not first:
         return {}
-    # Real tensors (outside AOTAutograd's fake mode); random ops must not move the user's RNG.
-    with real_tensors():
-        cuda = [k for k, n in first.items() if _device(n).type == "cuda"]
-        cpu = [k for k in first if k not in set(cuda)]
-        measured = {k: _run_cuda(first[k]) for k in cuda}
-        measured.update(_run_cpu([(k, first[k]) for k in cpu]))
+    measured = {k: _KNOWN[known] for k, n in first.items() if (known := _known_key(k, n, None)) in _KNOWN}
+    todo = {k: n for k, n in first.items() if k not in measured}
+    if todo:
+        # Real tensors (outside AOTAutograd's fake mode); random ops must not move the user's RNG.
+        with real_tensors():
+            cuda = [k for k, n in todo.items() if _device(n).type == "cuda"]
+            cpu = [k for k in todo if k not in set(cuda)]
+            runs = {k: _run_cuda(todo[k]) for k in cuda}
+            runs.update(_run_cpu([(k, todo[k]) for k in cpu]))
+        for k, nbytes in runs.items():
+            _KNOWN[_known_key(k, todo[k], None)] = nbytes
+        measured.update(runs)
     return {node: measured.get(key, 0) for node, key in keyed}
+
+
+def _known_key(signature: tuple, node: fx.Node, strides: tuple | None) -> tuple:
+    return (signature, str(_device(node)), strides)
 
 
 def _measurable(node: fx.Node) -> bool:
@@ -189,6 +210,9 @@ class ScratchAt:
         if len(strides) != len(inputs) or tuple(map(tuple, strides)) == own or any(s is None for s in strides):
             return None
         key = (op_signature(node), tuple(map(tuple, strides)))
+        known = _known_key(key[0], node, key[1])
+        if key not in self.measured and known in _KNOWN:
+            self.measured[key] = _KNOWN[known]
         if key not in self.measured:
             layout = {a: tuple(st) for a, st in zip(inputs, strides)}
             with real_tensors():
@@ -198,4 +222,7 @@ class ScratchAt:
                     # None where it could not run (a profiler already active, an op that
                     # rejects the inputs): the measurement at the graph's strides stands.
                     self.measured[key] = _run_cpu([(key, node)], layout).get(key)
+            nbytes = self.measured[key]
+            if nbytes is not None:
+                _KNOWN[known] = nbytes
         return self.measured[key]
