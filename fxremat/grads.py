@@ -47,7 +47,7 @@ from ._torch_compat import (
 )
 from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
 
-__all__ = ["HAND_OVER_OP", "HandingOver", "handing_over"]
+__all__ = ["HAND_OVER_OP", "HandingOver", "handing_over", "on_hand_over"]
 
 log = logging.getLogger("fxremat")
 
@@ -57,6 +57,25 @@ _LIBRARY.define("hand_over(Tensor gradient, int index, int inputs) -> Tensor")
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 _LOCAL = threading.local()
+
+
+_LISTENERS: list[Callable[[object, bool], None]] = []
+
+
+def on_hand_over(listener: Callable[[object, bool], None]) -> None:
+    """Call ``listener(node, handed)`` each time a backward that can hand its gradients over runs:
+    ``handed`` says whether it adds them into ``.grad`` as it makes them (else it returns them at
+    its end); ``node`` is the autograd node running it (``fxremat/steps.py`` matches it to the call
+    that made it). Called before a backward that returns its gradients runs, after one that hands
+    them over."""
+    _LISTENERS.append(listener)
+
+
+def _tell(handed: bool) -> None:
+    if _LISTENERS:
+        node = current_autograd_node()
+        for listener in _LISTENERS:
+            listener(node, handed)
 
 
 def _running() -> list[dict[int, torch.Tensor]]:
@@ -140,6 +159,7 @@ class HandingOver:
     def __call__(self, args):
         grads = None if self.failed else existing_grads(self.indices, self.edges)
         if grads is None:
+            _tell(False)
             return self.returning(args)
         program = self.accumulating
         if program is None:
@@ -152,6 +172,7 @@ class HandingOver:
                     f"({type(e).__name__}: {e}); this graph returns its gradients at the end instead",
                     stacklevel=2,
                 )
+                _tell(False)
                 return self.returning(args)
         running = _running()
         running.append(grads)
@@ -161,6 +182,7 @@ class HandingOver:
             running.pop()
         for i in self.indices:
             out[i] = None
+        _tell(True)
         return out
 
 

@@ -103,6 +103,17 @@ class Options:
     each gradient is added in and freed at once. Where autograd must see the gradients
     (``torch.autograd.grad``, hooks on a parameter, ``retain_graph``, ``torch.distributed``) they
     are returned as before. False: always return them at the end."""
+    grads_allocated: bool | None = None
+    """Whether the parameters' ``.grad`` exist when the backward runs (gradient accumulation,
+    ``zero_grad(set_to_none=False)``): the backward then adds each gradient in and frees it
+    (``hand_over_grads``), and the step peaks lower than a step that makes new ``.grad``. None
+    (default): each graph is planned for steps without ``.grad`` (the first step, loops that set
+    them to None), an upper bound for both; under a budget, once a backward has added its
+    gradients into existing ``.grad`` and that plan leaves part of the budget unused, the graph
+    is planned again for such steps too, and each call runs the plan for what it finds. True:
+    plan for steps with ``.grad`` only (a step without them can exceed the budget by the
+    gradients' bytes; a warning says so). False: plan for steps without them only. No effect
+    without ``hand_over_grads``."""
     verify: bool = False
     """On each graph's first call, also run PyTorch's own partition of the graph on copies of
     the inputs and raise ``fxremat.VerificationError`` naming the first gradient that differs
@@ -233,6 +244,7 @@ _VALIDATE = {
     "chunk_loss": _chunks,
     "dump_dir": _path,
     "release_outputs": lambda name, value: value if value is None else _as("bool")(name, value),
+    "grads_allocated": lambda name, value: value if value is None else _as("bool")(name, value),
 }
 # Options the environment supplies when the mapping does not.
 _FROM_ENV = {

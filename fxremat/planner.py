@@ -212,7 +212,7 @@ def partition(
         return default_partition(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [], info)
     name = new_graph_name()
     analysis = analyse(joint, info, options, num_fwd_outputs, recomputes_rng)
-    analysis = replace(analysis, param_outputs=tuple(sorted(static_lifetime_input_indices or ())))
+    analysis = _for_grads(replace(analysis, param_outputs=tuple(sorted(static_lifetime_input_indices or ()))), options)
     choice = choose(analysis, options, name, reference)
     if sync_ranks:
         choice = follow_rank0(analysis, choice, options, name)
@@ -287,9 +287,10 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         recomputes_rng=analysis.recomputes_rng,
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
+    judged = _judged_backward(analysis, bw, options)
     sim = simulate(
         fw,
-        bw,
+        judged,
         analysis.num_fwd_outputs,
         analysis.scratch,
         fusion=analysis.fusion,
@@ -304,7 +305,7 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
     try:
         step = predict_step(
             fw,
-            bw,
+            judged,
             analysis.num_fwd_outputs,
             analysis.scratch,
             outputs_released=options.release_outputs is True,
@@ -319,6 +320,32 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) + held
         return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
     return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held, step.forward_peak)
+
+
+def _for_grads(analysis: Analysis, options: Options) -> Analysis:
+    """Planned for steps whose parameters' ``.grad`` exist (``Options.grads_allocated``): the solvers'
+    model frees each parameter's gradient after its last use (it is handed over), instead of keeping
+    it to the step's end; the programs are judged on the backward that hands them over."""
+    if options.grads_allocated is not True or hand_over_spec(analysis, options) is None:
+        return analysis
+    outs = list(next(iter(analysis.joint.graph.find_nodes(op="output"))).args[0])
+    ids = {n: i for i, n in enumerate(analysis.graph.nodes)}
+    handed = {ids.get(outs[analysis.num_fwd_outputs + k]) for k in analysis.param_outputs}
+    problem = analysis.graph.problem
+    kept = tuple(v for v in problem.bw_outputs if v not in handed)
+    return replace(analysis, graph=replace(analysis.graph, problem=replace(problem, bw_outputs=kept)))
+
+
+def _judged_backward(analysis: Analysis, backward: fx.GraphModule, options: Options) -> fx.GraphModule:
+    """The backward a plan is judged on: planned for steps whose parameters' ``.grad`` exist
+    (``Options.grads_allocated``), the version that adds each gradient in as it is made."""
+    if options.grads_allocated is not True:
+        return backward
+    spec = hand_over_spec(analysis, options)
+    if spec is None:
+        return backward
+    handed = copy.deepcopy(backward)
+    return handed if hand_over_gradients(handed, list(spec[0]), spec[1], HAND_OVER_OP) else backward
 
 
 def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str) -> Choice:
@@ -347,7 +374,7 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
         return lowered.other_peak
     sim = simulate(
         lowered.forward,
-        lowered.backward,
+        _judged_backward(analysis, lowered.backward, options),
         analysis.num_fwd_outputs,
         analysis.scratch,
         fusion=analysis.fusion,
@@ -384,6 +411,8 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
     spec = hand_over_spec(analysis, options)
     if spec is None or lowered.source == "simulation+allowance":
         return None
+    if options.grads_allocated is True:  # the plan was judged so: its own peaks
+        return lowered.peak, released_peak(analysis, lowered, options)
     backward = copy.deepcopy(lowered.backward)
     if not hand_over_gradients(backward, list(spec[0]), spec[1], HAND_OVER_OP):
         return None

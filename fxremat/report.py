@@ -57,7 +57,9 @@ def build_plan(
         feasible=choice.fits,
         reserved_bytes=options.reserve,
         gap=decision.gap,
-        note="; ".join(filter(None, [choice.note, _repeats_note(options.repeats, sim.saved_bytes)])),
+        note="; ".join(
+            filter(None, [choice.note, _repeats_note(options.repeats, sim.saved_bytes), _grads_note(options)])
+        ),
         pass_seconds={
             **analysis.seconds,
             "solve": choice.solve_seconds,
@@ -91,6 +93,12 @@ def _chunk_line(note: ChunkNote, analysis: Analysis, peak: int, options: Options
         f"{note.site}: {note.chunks} chunks of {-(-note.tokens // note.chunks)} tokens x {note.vocab} classes"
         f" (whole fp32 logits {format_bytes(note.logits_bytes)}){saved}{share}"
     )
+
+
+def _grads_note(options: Options) -> str:
+    if options.grads_allocated is not True or not options.hand_over_grads:
+        return ""
+    return "planned for steps whose parameters' .grad exist (each gradient added in and freed as it is made)"
 
 
 def _repeats_note(repeats: int, saved_bytes: int) -> str:

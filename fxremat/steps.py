@@ -27,6 +27,7 @@ import torch
 
 from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, fsdp_groups
 from .budget import BudgetError, format_bytes
+from .grads import on_hand_over
 from .options import Options
 from .passes.chunk_loss import is_head_gradient
 from .plan import Plan
@@ -37,6 +38,7 @@ __all__ = [
     "running_plans",
     "TrackedGraph",
     "REPLAN_MIN_SHARE",
+    "ACCUMULATING_MIN_UNUSED",
     "FSDP_RESHARDED_COPIES",
 ]
 
@@ -46,6 +48,11 @@ log = logging.getLogger("fxremat")
 # (but the caller had dropped) are at least this share of the budget: below it the
 # plan would barely change and a recompile is not worth its time.
 REPLAN_MIN_SHARE = 0.01
+
+# Under a budget, plan a graph again for steps that add their gradients into existing ``.grad``
+# when its plan for steps that make new ``.grad`` leaves more than this share of the budget
+# unused on them (the planner's own aim: CLOSE_ENOUGH).
+ACCUMULATING_MIN_UNUSED = 0.03
 
 # Compiles a graph under options: (gm, example_inputs, options) -> (callable, plan or None).
 Compile = Callable[[torch.fx.GraphModule, list, Options], tuple[Callable, "Plan | None"]]
@@ -110,6 +117,12 @@ def held() -> list[_Call]:
         return list(_CALLS)
 
 
+def _grads_exist(args) -> bool:
+    """Whether every leaf tensor among ``args`` that requires grad (the parameters) has its ``.grad``."""
+    params = [a for a in args if _real(a) and a.requires_grad and a.is_leaf]
+    return bool(params) and all(p.grad is not None for p in params)
+
+
 def _leaves(args) -> dict[int, int]:
     """Storage -> bytes of the leaf tensors among ``args`` that require grad (parameters)."""
     return {
@@ -134,6 +147,15 @@ class TrackedGraph:
         self.returned_peak: int | None = None
         """The plan's own prediction (gradients returned at the end), while the running plan shows the
         one of a step whose parameters' ``.grad`` exist (``_note_grads``)."""
+        self.for_grads: bool | None = options.grads_allocated is True
+        """Whether the running program was planned for steps whose parameters' ``.grad`` exist
+        (None: nothing compiled since the last re-plan)."""
+        self.variants: dict[bool, tuple[Callable, Plan | None]] = {}
+        """The program and plan for the other kind of step, while the running one is for this kind."""
+        self.warned_no_grads = False
+        self.accumulates = False
+        """A backward of this graph added its gradients into existing ``.grad``, and its plan left
+        part of the budget unused on such steps: they get a plan of their own."""
         self.reserved: dict[frozenset, int] = {}
         self.user_budget = options.budget
         self.repeats: list[tuple[int, int]] = []
@@ -207,22 +229,97 @@ class TrackedGraph:
                 budget=max(1, user_budget - reserved - others),
             )
 
+    def note_handed_over(self) -> None:
+        """A backward of this graph added its gradients into existing ``.grad``: when its plan leaves
+        part of the budget unused on such steps, plan them on their own from the next call on."""
+        plan, options = self.plan, self.options
+        if self.accumulates or self.for_grads or self.source is None or plan is None or options.budget is None:
+            return
+        if options.grads_allocated is not None or plan.recompute_seconds <= 0:
+            return  # fixed by the user, or nothing recomputed: nothing to gain
+        budget = max(1, options.budget - options.reserve)
+        if plan.accumulating_peak > (1 - ACCUMULATING_MIN_UNUSED) * budget:
+            return
+        self.accumulates = True
+        log.warning(
+            "fxremat %s: its backward adds the gradients into existing .grad (gradient accumulation, "
+            "zero_grad(set_to_none=False)), where its plan peaks at %s of %s; planning such steps on their own "
+            "on the next call that finds .grad allocated",
+            plan.graph,
+            format_bytes(plan.accumulating_peak),
+            format_bytes(budget),
+        )
+
+    def note_returned(self, param_bytes: int) -> None:
+        """A backward of this graph returns its gradients at its end: a plan made for steps that add
+        them into ``.grad`` (``Options.grads_allocated``) can then peak above its prediction, once
+        warned."""
+        plan = self.plan
+        if not self.for_grads or plan is None or self.warned_no_grads:
+            return
+        self.warned_no_grads = True
+        warnings.warn(
+            f"fxremat {plan.graph}: planned for steps whose parameters' .grad exist, and this backward returns "
+            "its gradients at its end instead of adding them in (no .grad, a hook on a parameter, retain_graph, "
+            f"torch.autograd.grad or torch.distributed): the step can peak up to {format_bytes(param_bytes)} "
+            "above the plan's prediction",
+            stacklevel=2,
+        )
+
+    def _compile(self, args, options: Options) -> None:
+        """Plan and compile the graph again under ``options`` (the running step's state decided them)."""
+        assert self.source is not None
+        self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
+        self.returned_peak = None  # the new plan's prediction is its own
+        if self.plan is not None:
+            _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
+
+    def _run_for(self, grads: bool, args) -> None:
+        """Make the running program the one planned for steps with (``grads``) or without ``.grad``."""
+        if grads == self.for_grads:
+            return
+        if self.for_grads is not None and self.compiled is not None:
+            own = self.plan
+            if own is not None and self.returned_peak is not None:
+                own = dataclasses.replace(own, predicted_peak=self.returned_peak)
+            self.variants[self.for_grads] = (self.compiled, own)
+        self.for_grads = grads
+        if grads in self.variants:
+            self.compiled, self.plan = self.variants.pop(grads)
+            self.returned_peak = None
+            if self.plan is not None:
+                _GRAPHS[self.plan.graph] = self
+            return
+        if grads and self.options.grads_allocated is None:
+            try:
+                self._compile(args, dataclasses.replace(self.options, grads_allocated=True, on_infeasible="error"))
+            except BudgetError as exc:
+                # The plan for steps making new .grad fits these steps too: it runs for both.
+                self.accumulates = False
+                self.for_grads = None
+                log.warning("fxremat: no plan of its own for steps with .grad allocated (%s); keeping the first", exc)
+                self._run_for(False, args)
+            return
+        options = self.options
+        try:
+            self._compile(args, options)
+        except BudgetError as exc:
+            # The step as a whole does not fit: keep training at this graph's least plan, loudly.
+            options = dataclasses.replace(options, on_infeasible="min")
+            warnings.warn(f"fxremat: the graphs of this step together need more than the budget: {exc}", stacklevel=3)
+            self._compile(args, options)
+        self.options = options
+
     def __call__(self, *args):
         if self.pending is not None and self.source is not None:
-            options, self.pending = self.pending, None
-            try:
-                self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
-            except BudgetError as exc:
-                # The step as a whole does not fit: keep training at this graph's least plan, loudly.
-                options = dataclasses.replace(options, on_infeasible="min")
-                warnings.warn(
-                    f"fxremat: the graphs of this step together need more than the budget: {exc}", stacklevel=2
-                )
-                self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
-            self.options = options
-            self.returned_peak = None  # the new plan's prediction is its own
-            if self.plan is not None:
-                _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
+            self.options, self.pending = self.pending, None
+            self.variants.clear()
+            self.for_grads = None
+        if self.source is not None:
+            if self.accumulates:
+                self._run_for(_grads_exist(args), args)
+            elif self.for_grads is None:
+                self._run_for(self.options.grads_allocated is True, args)
         assert self.compiled is not None
         out = self.compiled(*args)
         if self.plan is not None and torch.is_grad_enabled():
@@ -481,16 +578,27 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             # What the others hold, and the earlier calls' outputs: their saved bytes depend on the plan.
             extra = sum(c.held() for c in calls) - sum(c.saved_bytes for c in mine)
             graph.repeats.append((len(mine) + 1, extra))
+    params = [weakref.ref(a) for a in args if _real(a) and a.requires_grad and a.is_leaf]
     with _LOCK:
         _CALLS.append(call)
-
-    params = [weakref.ref(a) for a in args if _real(a) and a.requires_grad and a.is_leaf]
+        # Whether its backward hands the gradients over matters to a plan made for steps that do
+        # (it warns when one does not), and to the first plan under a budget (those steps may get
+        # a plan of their own).
+        if (
+            call.node is not None
+            and options.budget is not None
+            and options.hand_over_grads
+            and (graph.for_grads or (options.grads_allocated is None and not graph.accumulates))
+        ):
+            _AWAITING[:] = [a for a in _AWAITING if a[0]() is not None and a[1]() is not None]
+            _AWAITING.append((call.node, weakref.ref(graph), _bytes(p() for p in params)))
 
     def backward_started(_grads) -> None:
         call.backward_started = True
         graph.check_repeats()
         if options.hand_over_grads:
-            _note_grads(graph, all((p := r()) is not None and p.grad is not None for r in params))
+            leaves = [p for p in (r() for r in params) if p is not None]
+            _note_grads(graph, len(leaves) == len(params) and all(p.grad is not None for p in leaves))
         if graph.assumed_released and options.budget is not None:
             alive = call.outputs_alive()
             if alive >= REPLAN_MIN_SHARE * options.budget:
@@ -525,6 +633,32 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
 
 
+# (backward node of a call, its graph, its parameters' bytes) for calls whose backward may add
+# the gradients into ``.grad``.
+_AWAITING: list[tuple[weakref.ref, weakref.ref, int]] = []
+
+
+def _handed_over(node, handed: bool) -> None:
+    """``fxremat/grads.py``: the backward running ``node`` adds its gradients into ``.grad`` as it makes
+    them (``handed``), or returns them at its end."""
+    if node is None:
+        return
+    with _LOCK:
+        if not _AWAITING:
+            return
+        hits = [(g, nbytes) for n, g, nbytes in _AWAITING if n() is node]
+        if not hits:
+            return
+        _AWAITING[:] = [a for a in _AWAITING if a[0]() is not node and a[0]() is not None]
+    for ref, nbytes in hits:
+        graph = ref()
+        if graph is not None:
+            graph.note_handed_over() if handed else graph.note_returned(nbytes)
+
+
+on_hand_over(_handed_over)
+
+
 def _node(outputs) -> weakref.ref | None:
     """A weak reference to the backward node of the call that made ``outputs``, when it can have one.
 
@@ -543,9 +677,11 @@ def _note_grads(graph: TrackedGraph, exist: bool) -> None:
     """The running plan's prediction follows whether this backward finds the parameters' ``.grad``
     allocated (its gradients are then added in as they are made, ``fxremat/grads.py``) or not (they
     stay alive to the end as new ``.grad``): the same plan and programs, no recompile. Under a budget
-    the plan was chosen for the second case, the higher peak, so it fits both."""
+    the plan was chosen for the second case, the higher peak, so it fits both; a plan chosen for the
+    first (``Options.grads_allocated``) keeps its prediction (``TrackedGraph.note_returned`` warns
+    when such a backward returns its gradients)."""
     plan = graph.plan
-    if plan is None or exist == (graph.returned_peak is not None):
+    if plan is None or graph.for_grads or exist == (graph.returned_peak is not None):
         return
     if exist:
         graph.returned_peak = plan.predicted_peak

@@ -216,19 +216,132 @@ def test_the_option_is_validated_and_part_of_the_plan_key():
     assert fxremat.Options().key() != fxremat.Options.from_mapping({"hand_over_grads": False}).key()
 
 
-def test_under_a_budget_the_plan_fits_and_the_prediction_follows_the_step():
-    x = torch.randn(BATCH, WIDTH)
-    explained = fxremat.explain(_mlp(), x, inner="eager", time_slack=0)
-    budget = explained.predicted_peak - 1  # binding: the fastest plan does not fit
+class _WithLoss(nn.Module):
+    """The MLP and its loss in one module: the whole step's memory is in the compiled graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x):
+        return self.body(x).square().mean()
+
+
+# A batch at which a step making new .grad peaks at the backward's start, a little above its least
+# plan, while a step adding into .grad peaks lower: halfway between the two peaks of the first kind
+# (1.63 and 1.60 MiB) the budget binds there (a value recomputed) and not on the second (1.37 MiB).
+BINDING_BATCH = 96
+
+
+def _binding_budget(x) -> int:
+    """Halfway between the least and the fastest plans' peaks of a step making new ``.grad``: it binds there."""
+    fastest = fxremat.explain(_WithLoss(), x, inner="eager", time_slack=0).predicted_peak
+    least = fxremat.explain(_WithLoss(), x, inner="eager", budget=1, on_infeasible="min").predicted_peak
+    assert least < fastest
+    return (least + fastest) // 2
+
+
+def _budgeted(**options):
+    """The loss module compiled under ``options`` (a budget), its eager twin, and a batch at which it binds."""
+    x = torch.randn(BINDING_BATCH, WIDTH)
+    budget = _binding_budget(x)
     fxremat.clear_plans()
-    model, compiled, reference = _pair(budget=budget)
-    _steps(compiled, reference, x, n=1)  # .grad None: the gradients are kept, as planned
+    torch._dynamo.reset()  # else Dynamo may reuse an earlier test's graph of this module: no plan made here
+    model = _WithLoss()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "budget": budget, **options})
+    return model, compiled, reference, x, budget
+
+
+def _loss_steps(compiled, reference, x, n=1):
+    for _ in range(n):
+        compiled(x).backward()
+        reference(x).backward()
+
+
+def test_under_a_budget_the_plan_fits_and_the_prediction_follows_the_step():
+    # Planned for steps making new .grad only: the same plan runs when .grad exists, predicted lower.
+    model, compiled, reference, x, budget = _budgeted(grads_allocated=False)
+    _loss_steps(compiled, reference, x)  # .grad None: the gradients are kept, as planned
     plan = fxremat.running_plans()[-1]
     assert plan.predicted_peak <= budget and plan.accumulating_peak < plan.predicted_peak
-    measured = fxremat.measure(lambda: _loss(compiled, x).backward(), reps=1, warmup=1)
+    measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
     running = fxremat.running_plans()[-1]
-    assert running.predicted_peak == plan.accumulating_peak
+    assert running.predicted_peak == plan.accumulating_peak and running.graph == plan.graph
+    # The loss and its seed gradient: 8 bytes outside the graph.
     assert abs(measured.peak_bytes - running.predicted_peak) <= 16 and measured.peak_bytes <= budget
+    assert len(fxremat.plans()) == 1
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    _loss_steps(compiled, reference, x, n=2)
+    _assert_grads_equal(model, reference)
+
+
+def test_steps_adding_into_grad_get_a_plan_of_their_own_that_uses_the_budget(caplog):
+    model, compiled, reference, x, budget = _budgeted()
+    _loss_steps(compiled, reference, x)  # .grad None: the gradients stay alive to the end
+    first = fxremat.running_plans()[-1]
+    assert first.recompute_seconds > 0 and first.accumulating_peak < 0.9 * budget  # the budget binds
+    # Warm-up: the first step adding into .grad shows it; the second compiles the plan for such steps.
+    with caplog.at_level(logging.WARNING, logger="fxremat"):
+        measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=2)
+    assert sum("adds the gradients into existing .grad" in r.getMessage() for r in caplog.records) == 1
+    own = fxremat.running_plans()[-1]
+    assert own.graph != first.graph and "parameters' .grad exist" in own.note
+    assert own.recompute_seconds < first.recompute_seconds
+    assert abs(measured.peak_bytes - own.predicted_peak) <= 16
+    assert first.accumulating_peak < measured.peak_bytes <= budget
+    for m in (model, reference):
+        m.zero_grad(set_to_none=False)
+    _loss_steps(compiled, reference, x, n=2)
+    _assert_grads_equal(model, reference)
+    # A step without .grad runs the first plan again, compiled once: no new plan.
+    planned = len(fxremat.plans())
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=0)
+    assert len(fxremat.plans()) == planned
+    assert abs(measured.peak_bytes - first.predicted_peak) <= 16 and measured.peak_bytes <= budget
+
+
+def test_gradient_accumulation_switches_between_the_two_plans_without_planning_again():
+    model, compiled, reference, _, _ = _budgeted()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    batches = [torch.randn(BINDING_BATCH, WIDTH) for _ in range(3)]
+    counts, running = [], []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        for b in batches:  # micro-batch 1 makes .grad (the first plan), 2 and 3 add into it (their own)
+            _loss_steps(compiled, reference, b)
+            running.append(fxremat.running_plans()[-1].graph)
+        _assert_grads_equal(model, reference)
+        opt.step()
+        ref_opt.step()
+        counts.append(len(fxremat.plans()))
+    assert counts == [2, 2, 2], counts  # both plans compiled in the first optimizer step, none after
+    first, own = fxremat.plans()[0].graph, fxremat.plans()[1].graph
+    # The second micro-batch shows .grad exists; from the third on each kind of step runs its own plan.
+    assert running == [first, first, own] + [first, own, own] * 2, running
+
+
+def test_grads_allocated_true_plans_for_accumulating_steps_and_warns_on_a_step_without_grad():
+    with pytest.raises(TypeError, match="grads_allocated"):
+        fxremat.Options.from_mapping({"grads_allocated": "yes"})
+    assert fxremat.Options().key() != fxremat.Options.from_mapping({"grads_allocated": True}).key()
+    model, compiled, reference, x, budget = _budgeted(grads_allocated=True)
+    with pytest.warns(UserWarning, match="returns its gradients at its end instead"):
+        _loss_steps(compiled, reference, x)
+    plan = fxremat.running_plans()[-1]
+    assert "parameters' .grad exist" in plan.note and plan.recompute_seconds == 0
+    measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
+    assert measured.peak_bytes <= budget and abs(measured.peak_bytes - plan.predicted_peak) <= 16
+    assert len(fxremat.plans()) == 1
+    for m in (model, reference):
+        m.zero_grad(set_to_none=False)
+    _loss_steps(compiled, reference, x, n=2)
+    _assert_grads_equal(model, reference)
 
 
 def test_a_graph_planned_again_still_knows_its_parameters():
