@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -248,7 +249,10 @@ def main(argv=None) -> int:
     except fxremat.BudgetError as err:
         print(f"no plan fits: {err}")
         return 1
-    plans = fxremat.plans()
+    gc.collect()  # the dry plan's graph (least_and_fastest) is gone: only this model's plans run
+    # The plans the measured steps ran: with .grad kept between steps, the graph is planned again
+    # for such steps (fxremat.plans() also holds the first plan, made for the first step).
+    plans = fxremat.running_plans()
     predicted = max(p.predicted_peak for p in plans)
     print_row(f"fxremat ({args.inner})", fx, tokens, f"  (predicted peak {format_bytes(predicted)})")
 

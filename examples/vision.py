@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
     except fxremat.BudgetError as err:
         print(f"no plan fits: {err}")
         return 1
-    plans = fxremat.plans()
+    gc.collect()  # graphs of earlier dry plans are gone: only this model's plans run
+    plans = fxremat.running_plans()  # what the measured steps ran (.grad kept: planned for that)
     show(
         f"fxremat ({args.inner})",
         loss,

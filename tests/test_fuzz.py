@@ -157,7 +157,10 @@ def test_random_models_under_random_budgets(case):
         assert p.feasible and p.budget == budget and p.predicted_peak <= budget, p.summary()
 
     model.zero_grad(set_to_none=False)
-    measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
+    # Two warm-up steps: the first with .grad allocated shows that the backward adds into them, the
+    # second plans such steps on their own and compiles (the compiler's transient memory, two
+    # copies of the RNG state, is not the step's); the measured step runs that plan.
+    measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=2)
     assert measured.peak_bytes <= budget * MEASURE_SLACK, (
         f"{spec} width {width} batch {batch}: measured {measured.peak_bytes} > budget {budget}; "
         f"{[p.summary() for p in plans]}"
