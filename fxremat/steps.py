@@ -39,6 +39,7 @@ __all__ = [
     "TrackedGraph",
     "REPLAN_MIN_SHARE",
     "ACCUMULATING_MIN_UNUSED",
+    "CALLER_RESERVE",
     "FSDP_RESHARDED_COPIES",
 ]
 
@@ -53,6 +54,12 @@ REPLAN_MIN_SHARE = 0.01
 # when its plan for steps that make new ``.grad`` leaves more than this share of the budget
 # unused on them (the planner's own aim: CLOSE_ENOUGH).
 ACCUMULATING_MIN_UNUSED = 0.03
+
+# Bytes reserved for a caller that computes a loss on a graph's outputs, per byte of the gradient
+# it hands the graph's backward: the largest measured over the idioms (the caller's own peak
+# between forward and backward, less the gradient the plan counts): square().mean() 3, mse_loss
+# 2, cross_entropy 1 (fxremat/steps.py, _note_caller).
+CALLER_RESERVE = 3
 
 # Compiles a graph under options: (gm, example_inputs, options) -> (callable, plan or None).
 Compile = Callable[[torch.fx.GraphModule, list, Options], tuple[Callable, "Plan | None"]]
@@ -153,6 +160,9 @@ class TrackedGraph:
         self.variants: dict[bool, tuple[Callable, Plan | None]] = {}
         """The program and plan for the other kind of step, while the running one is for this kind."""
         self.warned_no_grads = False
+        self.warned_caller = False
+        self.user_reserve = options.reserve
+        """The user's ``reserve`` (a graph sized nothing for its caller when it is set)."""
         self.accumulates = False
         """A backward of this graph added its gradients into existing ``.grad``, and its plan left
         part of the budget unused on such steps: they get a plan of their own."""
@@ -593,9 +603,10 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             _AWAITING[:] = [a for a in _AWAITING if a[0]() is not None and a[1]() is not None]
             _AWAITING.append((call.node, weakref.ref(graph), _bytes(p() for p in params)))
 
-    def backward_started(_grads) -> None:
+    def backward_started(grad) -> None:
         call.backward_started = True
         graph.check_repeats()
+        _note_caller(graph, grad)
         if options.hand_over_grads:
             leaves = [p for p in (r() for r in params) if p is not None]
             _note_grads(graph, len(leaves) == len(params) and all(p.grad is not None for p in leaves))
@@ -631,6 +642,41 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             )
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+
+
+def _note_caller(graph: TrackedGraph, grad) -> None:
+    """A backward handed a sizeable gradient: the caller computed on the graph's outputs (a loss outside
+    the compiled model), allocating memory the plan does not count. Under a budget and no ``reserve``
+    of the user's, once: warn, and plan the graph again with ``CALLER_RESERVE`` times that gradient
+    reserved for the caller.
+
+    What the caller allocates between the forward and the backward runs while the graph's saved
+    activations are alive (a 16-layer MLP with ``model(x).square().mean()`` peaked 1.11x its budget).
+    fxremat cannot watch it from inside the compiled call (a dispatch mode pushed there is switched
+    off when Dynamo's frame returns), so the reservation is sized from the gradient handed back.
+    """
+    plan, options = graph.plan, graph.options
+    if graph.warned_caller or plan is None or options.budget is None or graph.user_reserve:
+        return
+    if not isinstance(grad, torch.Tensor) or not _real(grad) or grad.numel() <= 1:
+        return  # a scalar loss's gradient: the loss is inside the graph
+    handed = grad.untyped_storage().nbytes()
+    if handed < grad.numel() * grad.element_size() or handed < REPLAN_MIN_SHARE * options.budget:
+        return  # a broadcast one (the outputs' sum or mean: nothing allocated), or a small one
+    graph.warned_caller = True
+    reserve = CALLER_RESERVE * handed
+    warnings.warn(
+        f"fxremat {plan.graph}: the caller computed on its outputs before the backward (it handed back "
+        f"{format_bytes(handed)} of gradients: a loss computed outside the compiled model); what it allocates there "
+        f"is not in this plan, so this step can exceed the budget. Planning it again with {format_bytes(reserve)} "
+        f"({CALLER_RESERVE}x that gradient) reserved for the caller; set options={{'reserve': ...}} to size it "
+        "yourself, or compile the function that computes the loss too",
+        stacklevel=2,
+    )
+    graph.ask(
+        f"reserving {format_bytes(reserve)} for what its caller allocates around it (a loss outside the graph)",
+        reserve=(graph.pending or options).reserve + reserve,
+    )
 
 
 # (backward node of a call, its graph, its parameters' bytes) for calls whose backward may add
