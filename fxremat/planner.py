@@ -336,16 +336,22 @@ def _for_grads(analysis: Analysis, options: Options) -> Analysis:
     return replace(analysis, graph=replace(analysis.graph, problem=replace(problem, bw_outputs=kept)))
 
 
+def _handed_backward(analysis: Analysis, backward: fx.GraphModule, options: Options) -> fx.GraphModule | None:
+    """A copy of ``backward`` that adds each parameter's gradient into ``.grad`` as it is made, or None
+    when it hands none over."""
+    spec = hand_over_spec(analysis, options)
+    if spec is None:
+        return None
+    handed = copy.deepcopy(backward)
+    return handed if hand_over_gradients(handed, list(spec[0]), spec[1], HAND_OVER_OP) else None
+
+
 def _judged_backward(analysis: Analysis, backward: fx.GraphModule, options: Options) -> fx.GraphModule:
     """The backward a plan is judged on: planned for steps whose parameters' ``.grad`` exist
     (``Options.grads_allocated``), the version that adds each gradient in as it is made."""
     if options.grads_allocated is not True:
         return backward
-    spec = hand_over_spec(analysis, options)
-    if spec is None:
-        return backward
-    handed = copy.deepcopy(backward)
-    return handed if hand_over_gradients(handed, list(spec[0]), spec[1], HAND_OVER_OP) else backward
+    return _handed_backward(analysis, backward, options) or backward
 
 
 def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str) -> Choice:
@@ -408,13 +414,12 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
     """The predicted peak of a step whose parameters' ``.grad`` exist before the backward, with the
     outputs as the plan assumed them and released: the backward then hands each parameter's
     gradient over as it is made (added in, and freed). None when no gradient is handed over."""
-    spec = hand_over_spec(analysis, options)
-    if spec is None or lowered.source == "simulation+allowance":
+    if lowered.source == "simulation+allowance" or hand_over_spec(analysis, options) is None:
         return None
     if options.grads_allocated is True:  # the plan was judged so: its own peaks
         return lowered.peak, released_peak(analysis, lowered, options)
-    backward = copy.deepcopy(lowered.backward)
-    if not hand_over_gradients(backward, list(spec[0]), spec[1], HAND_OVER_OP):
+    backward = _handed_backward(analysis, lowered.backward, options)
+    if backward is None:
         return None
     assumed = options.release_outputs is True
     held_calls = options.repeats - 1

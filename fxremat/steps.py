@@ -124,19 +124,20 @@ def held() -> list[_Call]:
         return list(_CALLS)
 
 
+def _params(args) -> list[torch.Tensor]:
+    """The leaf tensors among ``args`` that require grad (the parameters)."""
+    return [a for a in args if _real(a) and a.requires_grad and a.is_leaf]
+
+
 def _grads_exist(args) -> bool:
-    """Whether every leaf tensor among ``args`` that requires grad (the parameters) has its ``.grad``."""
-    params = [a for a in args if _real(a) and a.requires_grad and a.is_leaf]
+    """Whether every parameter among ``args`` has its ``.grad``."""
+    params = _params(args)
     return bool(params) and all(p.grad is not None for p in params)
 
 
 def _leaves(args) -> dict[int, int]:
-    """Storage -> bytes of the leaf tensors among ``args`` that require grad (parameters)."""
-    return {
-        a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
-        for a in args
-        if _real(a) and a.requires_grad and a.is_leaf
-    }
+    """Storage -> bytes of the parameters among ``args``."""
+    return {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in _params(args)}
 
 
 class TrackedGraph:
@@ -588,7 +589,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             # What the others hold, and the earlier calls' outputs: their saved bytes depend on the plan.
             extra = sum(c.held() for c in calls) - sum(c.saved_bytes for c in mine)
             graph.repeats.append((len(mine) + 1, extra))
-    params = [weakref.ref(a) for a in args if _real(a) and a.requires_grad and a.is_leaf]
+    params = [weakref.ref(a) for a in _params(args)]
     with _LOCK:
         _CALLS.append(call)
         # Whether its backward hands the gradients over matters to a plan made for steps that do
