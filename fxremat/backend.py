@@ -116,7 +116,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     dry = program_compiler is not None
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
-        return track(gm, example_inputs, options, compile_planned)
+        return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
         """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""

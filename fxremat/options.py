@@ -81,7 +81,10 @@ class Options:
     """Bytes of the budget to leave for memory the step allocates outside fxremat's graphs: a
     loss computed outside the compiled model, DDP's gradient buckets, buffers of your own.
     Under FSDP2 fxremat adds FSDP's own (its unsharded parameters and gradient buffers, which
-    its hooks allocate outside the compiled graphs) by itself. Int bytes or a string with a unit."""
+    its hooks allocate outside the compiled graphs) by itself. Int bytes or a string with a unit.
+    Left at 0, a graph whose outputs hold no scalar loss leaves ``steps.CALLER_RESERVE`` times
+    their gradient free for a loss computed on them, and keeps what its first backward shows the
+    caller needs."""
     repeats: int = 1
     """How many times the compiled graph runs in one step before the backward reaches it: a
     block compiled on its own and called once per layer, or layers separated by graph breaks

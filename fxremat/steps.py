@@ -82,6 +82,11 @@ class _Call:
     node: weakref.ref | None = None
     """The call's backward node: while it is alive, so are the activations saved for it."""
     backward_started: bool = False
+    ptrs: tuple[int, ...] = ()
+    """The data pointers of ``storages``, in their order."""
+    fed: bool = False
+    """A later compiled call took one of its outputs as an input (a graph break, the next layer's
+    graph): the gradient its backward is handed comes from that graph, not from the caller."""
 
     def outputs_alive(self) -> int:
         """Bytes of the distinct storages of this call's outputs the caller still holds."""
@@ -161,7 +166,10 @@ class TrackedGraph:
         self.variants: dict[bool, tuple[Callable, Plan | None]] = {}
         """The program and plan for the other kind of step, while the running one is for this kind."""
         self.warned_no_grads = False
-        self.warned_caller = False
+        self.caller_checked = False
+        self.caller_reserved = 0
+        """Bytes of ``options.reserve`` set aside for a loss the caller computes on the outputs
+        (``_caller_room``), until the first backward shows what it needs."""
         self.user_reserve = options.reserve
         """The user's ``reserve`` (a graph sized nothing for its caller when it is set)."""
         self.accumulates = False
@@ -362,7 +370,9 @@ def running_plans() -> list[Plan]:
     return [g.plan for g in seen.values() if g.plan is not None]
 
 
-def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile) -> TrackedGraph:
+def track(
+    gm: torch.fx.GraphModule, example_inputs: list, options: Options, compile_graph: Compile, caller_room: bool = True
+) -> TrackedGraph:
     """Compile ``gm`` under the budget the running step leaves it, and watch its calls.
 
     Under a budget, what earlier graphs of the running step hold (their saved
@@ -377,6 +387,9 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
         example_inputs: its example inputs.
         options: the user's options.
         compile_graph: the compile pipeline (``backend.build_compiler``'s).
+        caller_room: whether a graph whose outputs hold no scalar loss leaves room in its first plan
+            for a loss its caller computes on them (``_caller_room``); False where the caller is
+            known to allocate nothing there (``explain`` sums the outputs).
 
     Returns:
         The callable Dynamo runs in place of the graph.
@@ -387,7 +400,7 @@ def track(gm: torch.fx.GraphModule, example_inputs: list, options: Options, comp
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
     planned = options
     if not holding:
-        planned = _compile_alone(graph, gm, example_inputs, options)
+        planned = _compile_alone(graph, gm, example_inputs, options, caller_room)
     else:
         assert options.budget is not None and graph.source is not None
         budget = options.budget
@@ -491,8 +504,70 @@ def _with_fsdp(options: Options, inputs, first: bool) -> Options:
     return dataclasses.replace(options, reserve=options.reserve + extra, repeats=max(options.repeats, layers))
 
 
-def _compile_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:
+def _compile_alone(
+    graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options, caller_room: bool
+) -> Options:
     """Compile a graph that runs while nothing else of the step holds memory; returns the options it was planned with.
+
+    A graph whose differentiable outputs include no scalar (no loss inside it)
+    leaves its caller room for one in the first plan (``_caller_room``): the first
+    step is then within the budget too, and the first backward, which shows what
+    the caller needed, gives the room back when it needed less. When the budget
+    leaves no room for it, the graph is planned without it, as it would be with a
+    loss inside, and the first backward decides.
+    """
+    room = _caller_room(gm, options) if caller_room and graph.source is not None and not graph.user_reserve else 0
+    if room:
+        roomy = dataclasses.replace(options, reserve=options.reserve + room, on_infeasible="error")
+        try:
+            planned = _plan_alone(graph, gm, example_inputs, roomy)
+        except BudgetError as exc:
+            log.warning(
+                "fxremat: the budget %s leaves no room for the %s a loss computed on the graph's outputs may "
+                "allocate (least peak with it %s): planned without it; the first backward shows what the caller "
+                "needs",
+                format_bytes(options.budget or 0),
+                format_bytes(room),
+                format_bytes(exc.least_peak),
+            )
+            assert graph.source is not None
+            gm = copy_dynamo_graph(graph.source)
+        else:
+            graph.caller_reserved = room
+            if graph.plan is not None:
+                log.info(
+                    "fxremat %s: %s of the budget left for a loss computed on its outputs outside the graph "
+                    "(%sx their gradient); the first backward shows what the caller needs",
+                    graph.plan.graph,
+                    format_bytes(room),
+                    CALLER_RESERVE,
+                )
+            return dataclasses.replace(planned, on_infeasible=options.on_infeasible)
+    return _plan_alone(graph, gm, example_inputs, options)
+
+
+def _caller_room(gm: torch.fx.GraphModule, options: Options) -> int:
+    """Bytes to leave, under a budget, for a loss the caller computes on this graph's outputs:
+    ``CALLER_RESERVE`` times the gradients of its differentiable outputs, when none of them is a
+    scalar (a graph that returns its loss needs none) and that is at least ``REPLAN_MIN_SHARE`` of
+    the budget; else 0."""
+    if options.budget is None:
+        return 0
+    nodes: list[torch.fx.Node] = []
+    for out in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(out.args, nodes.append)
+    vals = [n.meta.get("example_value") for n in nodes]
+    grads = [v for v in vals if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
+    if not grads or not all(isinstance(v.numel(), int) for v in grads):
+        return 0  # dynamic sizes: the first backward sizes the room from the gradient it is handed
+    if any(v.numel() == 1 for v in grads):
+        return 0
+    room = CALLER_RESERVE * sum(v.numel() * v.element_size() for v in grads)
+    return room if room >= REPLAN_MIN_SHARE * options.budget else 0
+
+
+def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:
+    """``_compile_alone`` for one ``reserve``: the outputs alive through the backward, or dropped before it.
 
     Whether the caller keeps the outputs alive through the backward is unknown
     until the first backward; the plan assumes it does (an upper bound). When a
@@ -581,7 +656,14 @@ def _watch(out, args, graph: TrackedGraph) -> None:
         id(graph),
         tuple((StorageWeakRef(o.untyped_storage()), o.untyped_storage().nbytes()) for o in storages.values()),
         _node(differentiable),
+        ptrs=tuple(storages),
     )
+    with _LOCK:
+        for earlier in _CALLS:
+            if not earlier.fed and any(
+                ptr in inputs and not ref.expired() for (ref, _), ptr in zip(earlier.storages, earlier.ptrs)
+            ):
+                earlier.fed = True
     if options.budget is not None:
         calls = held()
         mine = [c for c in calls if c.owner == id(graph)]
@@ -607,7 +689,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     def backward_started(grad) -> None:
         call.backward_started = True
         graph.check_repeats()
-        _note_caller(graph, grad)
+        _note_caller(graph, grad, call)
         if options.hand_over_grads:
             leaves = [p for p in (r() for r in params) if p is not None]
             _note_grads(graph, len(leaves) == len(params) and all(p.grad is not None for p in leaves))
@@ -645,26 +727,48 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
 
 
-def _note_caller(graph: TrackedGraph, grad) -> None:
-    """A backward handed a sizeable gradient: the caller computed on the graph's outputs (a loss outside
-    the compiled model), allocating memory the plan does not count. Under a budget and no ``reserve``
-    of the user's, once: warn, and plan the graph again with ``CALLER_RESERVE`` times that gradient
-    reserved for the caller.
+def _note_caller(graph: TrackedGraph, grad, call: _Call) -> None:
+    """What the caller computed on the graph's outputs before the backward, from the gradient it handed
+    the backward: a dense one, not from a later compiled graph (``_Call.fed``), means a loss computed
+    outside the compiled model, which allocates memory the plan does not count while the graph's saved
+    activations are alive (a 16-layer MLP with ``model(x).square().mean()`` peaked 1.11x a budget
+    planned without it). Under a budget and no ``reserve`` of the user's, once:
 
-    What the caller allocates between the forward and the backward runs while the graph's saved
-    activations are alive (a 16-layer MLP with ``model(x).square().mean()`` peaked 1.11x its budget).
-    fxremat cannot watch it from inside the compiled call (a dispatch mode pushed there is switched
-    off when Dynamo's frame returns), so the reservation is sized from the gradient handed back.
+    - a first plan that left room for it (``_caller_room``) keeps ``CALLER_RESERVE`` times that
+      gradient and gives the rest back (planned again when that is a real share of the budget and
+      the plan recomputes: more room makes it faster);
+    - one that did not warns, and the graph is planned again with that room.
+
+    fxremat cannot watch the caller from inside the compiled call (a dispatch mode pushed there is
+    switched off when Dynamo's frame returns), so the room is sized from the gradient handed back.
     """
     plan, options = graph.plan, graph.options
-    if graph.warned_caller or plan is None or options.budget is None or graph.user_reserve:
+    if graph.caller_checked or plan is None or options.budget is None or graph.user_reserve:
         return
-    if not isinstance(grad, torch.Tensor) or not _real(grad) or grad.numel() <= 1:
-        return  # a scalar loss's gradient: the loss is inside the graph
-    handed = grad.untyped_storage().nbytes()
-    if handed < grad.numel() * grad.element_size() or handed < REPLAN_MIN_SHARE * options.budget:
-        return  # a broadcast one (the outputs' sum or mean: nothing allocated), or a small one
-    graph.warned_caller = True
+    handed = 0
+    if isinstance(grad, torch.Tensor) and _real(grad) and grad.numel() > 1 and not call.fed:
+        handed = grad.untyped_storage().nbytes()
+        if handed < grad.numel() * grad.element_size() or handed < REPLAN_MIN_SHARE * options.budget:
+            handed = 0  # a broadcast one (the outputs' sum or mean: nothing allocated), or a small one
+    if graph.caller_reserved:
+        graph.caller_checked = True
+        need = CALLER_RESERVE * handed
+        spare = graph.caller_reserved - need
+        recomputes = plan.recompute_flops > 0 or plan.recompute_seconds > 0 or bool(plan.chunked)
+        if spare < 0 or (spare >= REPLAN_MIN_SHARE * options.budget and recomputes):
+            graph.caller_reserved = need
+            graph.ask(
+                f"its caller needs {format_bytes(need)} of the {format_bytes(need + spare)} left for a loss computed "
+                "on its outputs",
+                reserve=(graph.pending or options).reserve - spare,
+            )
+        return
+    if call.fed:
+        graph.caller_checked = True  # its outputs feed a later compiled graph, which counts what it does
+        return
+    if not handed:
+        return
+    graph.caller_checked = True
     reserve = CALLER_RESERVE * handed
     warnings.warn(
         f"fxremat {plan.graph}: the caller computed on its outputs before the backward (it handed back "
@@ -678,6 +782,7 @@ def _note_caller(graph: TrackedGraph, grad) -> None:
         f"reserving {format_bytes(reserve)} for what its caller allocates around it (a loss outside the graph)",
         reserve=(graph.pending or options).reserve + reserve,
     )
+    graph.caller_reserved = reserve
 
 
 # (backward node of a call, its graph, its parameters' bytes) for calls whose backward may add
