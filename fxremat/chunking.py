@@ -6,6 +6,10 @@ rewrites them; this module decides, with the planner's own numbers:
 - "off": never, and the graph is left as Dynamo made it; a ``BudgetError`` says when the
   logits are why the budget is out of reach.
 - an int: always, in that many chunks.
+- "on": always, in as many chunks as "auto" cuts. A graph "auto" chunked is planned again this
+  way (``steps.TrackedGraph``): once the first step shows more room (the logits dropped, ``.grad``
+  allocated), planning the loss whole again to compare would cost a second plan and compile for a
+  choice the first plan made with less room.
 - "auto": with no budget, never (chunking adds the head's matmul again in the backward and
   saves memory nobody asked for). Under a budget the unchunked graph is planned first; the
   chunked one is planned too when no unchunked plan fits, or when the unchunked plan fits only by
@@ -81,6 +85,8 @@ def compile_choosing_chunks(
             raise _naming_logits(exc, sites) from None
     if isinstance(options.chunk_loss, int):
         return _compile_sites(gm, example_inputs, options, sites, compile_one, options.chunk_loss, None)
+    if options.chunk_loss == "on":
+        return _compile_sites(gm, example_inputs, options, sites, compile_one, None, None)
     counts = [chunk_count(site) for site in sites]
     if options.budget is None or max(counts) < 2:
         return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)

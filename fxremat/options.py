@@ -98,7 +98,8 @@ class Options:
     (``passes/chunk_loss.py``). "auto" (default): under a budget, when no plan fits without
     it, or when it makes the plan that fits faster; never without a budget. "off": never
     (a ``BudgetError`` then names the logits when they are why the budget is out of reach).
-    An int >= 2: always, in that many chunks."""
+    "on": always, in as many chunks as "auto" would cut (a graph "auto" chunked is planned
+    again this way: the first plan's choice stands). An int >= 2: always, in that many chunks."""
     hand_over_grads: bool = True
     """Hand each parameter's gradient to ``.grad`` as soon as the backward makes it, as eager
     autograd does, instead of returning all of them at the backward's end (``fxremat/grads.py``):
@@ -217,10 +218,10 @@ def _count(name: str, value) -> int:
 
 
 def _chunks(name: str, value) -> str | int:
-    if value in ("auto", "off"):
+    if value in ("auto", "off", "on"):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"{name}={value!r} is not valid; pass 'auto', 'off' or a number of chunks (an int >= 2)")
+        raise ValueError(f"{name}={value!r} is not valid; pass 'auto', 'off', 'on' or a number of chunks (an int >= 2)")
     return value
 
 

@@ -288,6 +288,12 @@ class TrackedGraph:
     def _compile(self, args, options: Options) -> None:
         """Plan and compile the graph again under ``options`` (the running step's state decided them)."""
         assert self.source is not None
+        if options.chunk_loss == "auto" and self.plan is not None and self.plan.chunked:
+            # The running plan chose to chunk the loss. With more room (the logits dropped, .grad
+            # allocated) chunked still fits, at most the head's matmul slower; with less, chunking
+            # matters more. Planning it whole again to compare would cost a plan and a compile.
+            log.info("fxremat %s: the loss stays chunked, as its first plan chose", self.plan.graph)
+            options = dataclasses.replace(options, chunk_loss="on")
         self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
         self.returned_peak = None  # the new plan's prediction is its own
         if self.plan is not None:

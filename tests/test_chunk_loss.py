@@ -232,6 +232,46 @@ def test_auto_chunks_when_no_plan_fits_whole_and_the_step_stays_under_the_budget
     assert measured.peak_bytes <= budget
 
 
+def test_a_graph_auto_chunked_is_planned_again_chunked_without_planning_the_loss_whole(monkeypatch):
+    from fxremat import planner
+
+    x, y = _data()
+    ref_model = WithLogits()
+    model = copy.deepcopy(ref_model)
+    ref = ref_model(x, y)[0]
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "budget": 8 << 20})
+    compiled(x, y)[0].backward()  # the logits dropped: planned again for that on the next call
+    [first] = fxremat.plans()
+    assert first.chunked
+    calls = []
+    choose = planner.choose
+    monkeypatch.setattr(planner, "choose", lambda *a, **k: calls.append(1) or choose(*a, **k))
+    model.zero_grad(set_to_none=True)
+    loss = compiled(x, y)[0]
+    loss.backward()
+    compare(ref_model, ref, model, loss)
+    assert len(calls) == 1  # the chunked graph only
+    assert fxremat.plans()[-1].chunked and fxremat.plans()[-1] is not first
+
+
+def test_chunk_loss_on_chunks_as_auto_would_without_a_budget():
+    x, y = _data()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    _step(LM(), x, y, chunk_loss="on")
+    (plan,) = fxremat.plans()
+    assert plan.chunked and f"{chunk_count_of(T)} chunks" in plan.chunked[0]
+
+
+def chunk_count_of(tokens: int) -> int:
+    from fxremat.passes.chunk_loss import AUTO_CHUNKS, MIN_ROWS_PER_CHUNK
+
+    return max(1, min(AUTO_CHUNKS, tokens // MIN_ROWS_PER_CHUNK))
+
+
 def test_auto_does_not_chunk_without_a_budget_or_when_the_whole_loss_fits():
     x, y = _data()
     for options in ({}, {"budget": 64 << 20}):
