@@ -140,9 +140,44 @@ def test_leaves_losses_it_cannot_chunk():
         def forward(self, x, y):
             return F.cross_entropy(self.head(self.body(x)).view(-1, V), y.view(-1), weight=torch.ones(V))
 
-    for model in (Shifted(), Weighted()):
+    class WeightedByPosition(LM):
+        def forward(self, x, y):
+            return F.cross_entropy(self.head(self.body(x)).view(-1, V), y.view(-1), torch.ones(V))
+
+    for model in (Shifted(), Weighted(), WeightedByPosition()):
         (gm,) = _dynamo_graph(model, *_data())
         assert find_loss_sites(gm) == []
+
+
+class ByModule(LM):
+    """The loss as an ``nn.CrossEntropyLoss`` made in ``forward``, as HF's BERT does: Dynamo's graph
+    then calls ``F.cross_entropy`` with every argument by position."""
+
+    def __init__(self) -> None:
+        super().__init__(bias=True)
+
+    def forward(self, x, y):
+        return nn.CrossEntropyLoss(label_smoothing=0.1)(self.head(self.body(x)).view(-1, V), y.view(-1))
+
+
+def test_finds_a_loss_whose_arguments_are_all_positional():
+    (gm,) = _dynamo_graph(ByModule(), *_data())
+    (site,) = find_loss_sites(gm)
+    assert site.head is not None and site.bias is not None and (site.tokens, site.vocab) == (T, V)
+
+
+def test_a_positional_loss_chunked_equals_eager():
+    x, y = _data(batch=2)
+    ref_model = ByModule()
+    model = copy.deepcopy(ref_model)
+    ref = ref_model(x, y)
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    _, loss = _step(model, x, y, chunk_loss=4)
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    assert plan.chunked and "4 chunks" in plan.chunked[0]
 
 
 # ---------------------------------------------------------------- compiled, planned

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import operator
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ MIN_ROWS_PER_CHUNK = 64
 
 _LINEAR = {DYNAMO_LINEAR}  # F.linear is the same object
 _CROSS_ENTROPY = {F.cross_entropy}
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
 # Methods and functions that act on each token row alone (keep the last dimension).
 _CASTS = {"float", "to", "contiguous", "type_as"}
 _RESHAPES = {"view", "reshape"}
@@ -161,16 +163,32 @@ def find_loss_sites(gm: fx.GraphModule) -> list[LossSite]:
     return sites
 
 
+def _loss_args(loss: fx.Node) -> dict | None:
+    """``loss``'s arguments by name, defaults filled in (``nn.CrossEntropyLoss`` passes them all by
+    position, HF's ``ForCausalLMLoss`` by keyword), or None when they do not bind."""
+    try:
+        bound = _CE_SIGNATURE.bind(*loss.args, **loss.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 def _site(loss: fx.Node) -> LossSite | None:
-    logits, target = (list(loss.args) + [loss.kwargs.get("target")])[:2]
+    args = _loss_args(loss)
+    if args is None:
+        return None
+    logits, target = args["input"], args["target"]
     if not isinstance(logits, fx.Node):
         return None
     val, labels = _val(logits), _val(target)
     if val is None or labels is None or val.dim() != 2 or labels.dim() != 1 or labels.dtype != torch.int64:
         return None  # class probabilities, K-dimensional losses: not chunked
-    if loss.kwargs.get("weight") is not None or len(loss.args) > 2:
-        return None  # class weights change the normaliser; not chunked
-    if loss.kwargs.get("reduction", "mean") not in ("mean", "sum"):
+    if args["weight"] is not None or args["size_average"] is not None or args["reduce"] is not None:
+        return None  # class weights change the normaliser, legacy reductions; not chunked
+    if args["reduction"] not in ("mean", "sum") or not isinstance(args["ignore_index"], int):
+        return None
+    if not isinstance(args["label_smoothing"], (int, float)):
         return None
     tokens, vocab = int(val.shape[0]), int(val.shape[1])
     node = logits
@@ -285,8 +303,9 @@ def _leave_without_grad(gm: fx.GraphModule, site: LossSite, returned: fx.Node, d
 def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
     graph = gm.graph
     loss = site.loss
-    chain = loss.args[0]
-    target = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
+    args = _loss_args(loss)
+    assert args is not None  # a site's loss binds (_site)
+    chain, target = args["input"], args["target"]
     loss_val = _val(loss)
     assert isinstance(chain, fx.Node) and loss_val is not None
     head = site.head
@@ -302,9 +321,9 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
             (hidden, site.weight, site.bias, target),
             {
                 "chunks": n,
-                "ignore_index": loss.kwargs.get("ignore_index", -100),
-                "reduction": loss.kwargs.get("reduction", "mean"),
-                "label_smoothing": float(loss.kwargs.get("label_smoothing", 0.0)),  # type: ignore[arg-type]
+                "ignore_index": args["ignore_index"],
+                "reduction": args["reduction"],
+                "label_smoothing": float(args["label_smoothing"]),
                 "dtype": loss_val.dtype,
                 "return_logits": site.logits_escape,
                 "logits_grad": not detach,
