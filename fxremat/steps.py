@@ -596,19 +596,40 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
             held_error.__context__ = None  # hidden by `raise ... from None`, and it holds its own traceback
     # Dropping the outputs frees at most their bytes: when even that cannot reach the budget,
     # planning the graph that way again is wasted time (a scalar loss's graph, for one).
-    if held_error.least_peak - _output_bytes(graph.source) <= held_error.budget:
+    outputs = _output_bytes(graph.source)
+    released_least = None
+    if held_error.least_peak - outputs <= held_error.budget:
         dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
         try:
             graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, dropped)
-        except BudgetError:
-            pass
+        except BudgetError as exc:
+            released_least = exc.least_peak
         else:
             return _planned_released(graph, options, held_error.least_peak)
     if options.on_infeasible == "error":
-        raise held_error  # what planning with the user's options raises again
+        raise _with_released(held_error, outputs, released_least)  # what planning with the user's options raises
     # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
     graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, options)
     return options
+
+
+def _with_released(error: BudgetError, outputs: int, released_least: int | None) -> BudgetError:
+    """``error`` (planned with the outputs alive through the backward), saying what a caller that drops
+    them needs: ``released_least`` when that was planned, else at least ``outputs`` less."""
+    if outputs < REPLAN_MIN_SHARE * error.least_peak:
+        return error
+    need = (
+        f"{format_bytes(released_least)}"
+        if released_least is not None
+        else (f"at least {format_bytes(max(1, error.least_peak - outputs))}")
+    )
+    why = (
+        f"That is with the graph's outputs ({format_bytes(outputs)}) alive through the backward, as fxremat plans "
+        f"until a step shows otherwise; a caller that drops them before the backward (`model(**batch).loss` drops "
+        f"the logits, as transformers.Trainer does) needs {need}: a budget there is planned for that, and checked "
+        "at the first backward."
+    )
+    return BudgetError(error.budget, error.least_peak, where=error.where, why=" ".join(filter(None, [error.why, why])))
 
 
 def _output_bytes(gm: torch.fx.GraphModule) -> int:
