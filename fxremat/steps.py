@@ -607,7 +607,9 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         else:
             return _planned_released(graph, options, held_error.least_peak)
     if options.on_infeasible == "error":
-        raise _with_released(held_error, outputs, released_least)  # what planning with the user's options raises
+        # What planning with the user's options raises, saying what other callers would need.
+        error = _with_released(held_error, outputs, released_least)
+        raise _with_grads(error, sum(_leaves(example_inputs).values()), options)
     # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
     graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, options)
     return options
@@ -628,6 +630,23 @@ def _with_released(error: BudgetError, outputs: int, released_least: int | None)
         f"until a step shows otherwise; a caller that drops them before the backward (`model(**batch).loss` drops "
         f"the logits, as transformers.Trainer does) needs {need}: a budget there is planned for that, and checked "
         "at the first backward."
+    )
+    return BudgetError(error.budget, error.least_peak, where=error.where, why=" ".join(filter(None, [error.why, why])))
+
+
+def _with_grads(error: BudgetError, grad_bytes: int, options: Options) -> BudgetError:
+    """``error`` (planned for a step that makes the parameters' ``.grad``), saying that steps finding
+    them allocated can need up to ``grad_bytes`` less, and how to plan for those alone."""
+    if options.grads_allocated is not None or not options.hand_over_grads:
+        return error
+    if grad_bytes < REPLAN_MIN_SHARE * error.least_peak:
+        return error
+    why = (
+        f"That is for a step that makes the parameters' .grad (the first, or any after zero_grad()): their "
+        f"{format_bytes(grad_bytes)} of gradients are new memory of that step. Steps that find .grad allocated "
+        "(zero_grad(set_to_none=False), gradient accumulation) add each gradient in as it is made and can need up "
+        "to that much less: options={'grads_allocated': True} plans for them alone (a step that makes .grad can "
+        "then exceed the budget by up to that much)."
     )
     return BudgetError(error.budget, error.least_peak, where=error.where, why=" ".join(filter(None, [error.why, why])))
 

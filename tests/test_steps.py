@@ -195,6 +195,7 @@ def test_a_budget_out_of_reach_either_way_is_refused_after_planning_once(monkeyp
     # The error says what a caller that drops the logits needs, not only the least with them alive.
     released = fxremat.format_bytes(info.value.least_peak - logits_bytes - 4)  # the logits and the loss
     assert "drops them before the backward" in str(info.value) and f"needs at least {released}" in str(info.value)
+    assert "{'grads_allocated': True} plans for them alone" in str(info.value)  # and what steps with .grad need
 
 
 def _mlp(layers: int = 16, width: int = 128) -> nn.Module:
