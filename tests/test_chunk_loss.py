@@ -307,6 +307,21 @@ def chunk_count_of(tokens: int) -> int:
     return max(1, min(AUTO_CHUNKS, tokens // MIN_ROWS_PER_CHUNK))
 
 
+@pytest.mark.parametrize("whole, chunked", [(50, 100), (100, 50)])
+def test_a_refused_budget_names_the_lower_least_of_the_loss_whole_and_chunked(whole, chunked):
+    from fxremat.chunking import compile_choosing_chunks
+
+    (gm,) = _dynamo_graph(LM(), *_data())
+
+    def compile_one(gm, example_inputs, options, notes):
+        raise fxremat.BudgetError(options.budget, chunked if notes else whole)
+
+    with pytest.raises(fxremat.BudgetError) as info:
+        compile_choosing_chunks(gm, [], fxremat.Options.from_mapping({"budget": 10}), compile_one)
+    assert info.value.least_peak == 50
+    assert ("with the loss whole" if whole < chunked else "with the loss chunked") in str(info.value)
+
+
 def test_auto_does_not_chunk_without_a_budget_or_when_the_whole_loss_fits():
     x, y = _data()
     for options in ({}, {"budget": 64 << 20}):
