@@ -748,6 +748,10 @@ def _choose(
         least = _named(least, options.solver)
     note = least.decision.note
     assert options.budget is not None
+    if least.peak <= budget:
+        # The search's candidates all peaked over, but the least plan fits (per-layer checkpointing's
+        # programs can peak lower than the search's least, ``_least``): it is the plan.
+        return Choice(least, fastest, True, note, time.perf_counter() - started, judge(fastest).peak)
     if options.on_infeasible == "error":
         raise BudgetError(options.budget, least.peak + options.reserve, where=name)
     why = _out_of_reach(options, least.peak)

@@ -175,6 +175,8 @@ class TrackedGraph:
         self.accumulates = False
         """A backward of this graph added its gradients into existing ``.grad``, and its plan left
         part of the budget unused on such steps: they get a plan of their own."""
+        self.accumulating_refused = False
+        """Planning such steps on their own found no plan under the budget: not tried again."""
         self.reserved: dict[frozenset, int] = {}
         self.user_budget = options.budget
         self.repeats: list[tuple[int, int]] = []
@@ -254,6 +256,8 @@ class TrackedGraph:
         plan, options = self.plan, self.options
         if self.accumulates or self.for_grads or self.source is None or plan is None or options.budget is None:
             return
+        if self.accumulating_refused:
+            return  # planned for such steps once and no plan fitted: the first plan runs for both
         if options.grads_allocated is not None or plan.recompute_seconds <= 0:
             return  # fixed by the user, or nothing recomputed: nothing to gain
         budget = max(1, options.budget - options.reserve)
@@ -321,6 +325,7 @@ class TrackedGraph:
             except BudgetError as exc:
                 # The plan for steps making new .grad fits these steps too: it runs for both.
                 self.accumulates = False
+                self.accumulating_refused = True
                 self.for_grads = None
                 log.warning("fxremat: no plan of its own for steps with .grad allocated (%s); keeping the first", exc)
                 self._run_for(False, args)
