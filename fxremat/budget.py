@@ -78,6 +78,10 @@ class BudgetError(ValueError, ShortenTraceback):
             f"to use the least-memory plan with a warning." + (f" {why}" if why else ""),
         )
 
+    def explained(self, why: str) -> "BudgetError":
+        """The same error with ``why`` added to what it says sets the least peak."""
+        return BudgetError(self.budget, self.least_peak, where=self.where, why=" ".join(filter(None, [self.why, why])))
+
 
 def format_bytes(n: int) -> str:
     """Format a byte count with binary units.

@@ -100,24 +100,13 @@ def compile_choosing_chunks(
         except BudgetError as chunked_exc:
             # The least of the two: chunking can also raise the least peak (its own search on a larger graph).
             if chunked_exc.least_peak <= exc.least_peak:
-                least, why = (
-                    chunked_exc.least_peak,
-                    (
-                        f"That is with the loss chunked ({_sites(sites)}); without chunking the least is "
-                        f"{format_bytes(exc.least_peak)}."
-                    ),
-                )
+                why = f"That is with the loss chunked ({_sites(sites)}); without chunking the least is "
+                why += f"{format_bytes(exc.least_peak)}."
             else:
-                least, why = (
-                    exc.least_peak,
-                    (
-                        f"That is with the loss whole; chunked ({_sites(sites)}) the least is "
-                        f"{format_bytes(chunked_exc.least_peak)}."
-                    ),
-                )
-            raise BudgetError(
-                chunked_exc.budget, least, where=chunked_exc.where, why=" ".join(filter(None, [why, exc.why]))
-            ) from None
+                why = f"That is with the loss whole; chunked ({_sites(sites)}) the least is "
+                why += f"{format_bytes(chunked_exc.least_peak)}."
+            least = min(chunked_exc.least_peak, exc.least_peak)
+            raise BudgetError(chunked_exc.budget, least, where=chunked_exc.where, why=why).explained(exc.why) from None
     if plan is None:
         return compiled, plan
     extra = _extra_seconds(sites, options)

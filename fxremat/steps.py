@@ -76,14 +76,12 @@ class _Call:
     """Storages of the leaf inputs (parameters) the call takes gradients of."""
     owner: int = 0
     """``id`` of the TrackedGraph that made the call (its plan's name changes when it is planned again)."""
-    storages: tuple[tuple[StorageWeakRef, int], ...] = ()
-    """The outputs' storages and their bytes: alive as long as any view of them is (FSDP2 hands the
+    storages: tuple[tuple[StorageWeakRef, int, int], ...] = ()
+    """The outputs' storages, their bytes and data pointers: alive as long as any view of them is (FSDP2 hands the
     caller views of a layer's outputs, made by its own autograd function, and drops the originals)."""
     node: weakref.ref | None = None
     """The call's backward node: while it is alive, so are the activations saved for it."""
     backward_started: bool = False
-    ptrs: tuple[int, ...] = ()
-    """The data pointers of ``storages``, in their order."""
     fed: bool = False
     """A later compiled call took one of its outputs as an input (a graph break, the next layer's
     graph): the gradient its backward is handed comes from that graph, not from the caller."""
@@ -96,7 +94,7 @@ class _Call:
         """Bytes this call keeps alive: its saved activations and its live outputs."""
         if self.backward_started:
             return 0
-        outputs = sum(nbytes for ref, nbytes in self.storages if not ref.expired())
+        outputs = sum(nbytes for ref, nbytes, _ in self.storages if not ref.expired())
         if not outputs and (self.node is None or self.node() is None):
             return 0  # nothing references its autograd graph: the saved tensors are gone too
         return self.saved_bytes + outputs
@@ -564,11 +562,7 @@ def _caller_room(gm: torch.fx.GraphModule, options: Options) -> int:
     the budget; else 0."""
     if options.budget is None:
         return 0
-    nodes: list[torch.fx.Node] = []
-    for out in gm.graph.find_nodes(op="output"):
-        torch.fx.node.map_arg(out.args, nodes.append)
-    vals = [n.meta.get("example_value") for n in nodes]
-    grads = [v for v in vals if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
+    grads = [v for v in _output_values(gm) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
     if not grads or not all(isinstance(v.numel(), int) for v in grads):
         return 0  # dynamic sizes: the first backward sizes the room from the gradient it is handed
     if any(v.numel() == 1 for v in grads):
@@ -636,7 +630,7 @@ def _with_released(error: BudgetError, outputs: int, released_least: int | None)
         f"the logits, as transformers.Trainer does) needs {need}: a budget there is planned for that, and checked "
         "at the first backward."
     )
-    return BudgetError(error.budget, error.least_peak, where=error.where, why=" ".join(filter(None, [error.why, why])))
+    return error.explained(why)
 
 
 def _with_grads(error: BudgetError, grad_bytes: int, options: Options) -> BudgetError:
@@ -653,16 +647,20 @@ def _with_grads(error: BudgetError, grad_bytes: int, options: Options) -> Budget
         "to that much less: options={'grads_allocated': True} plans for them alone (a step that makes .grad can "
         "then exceed the budget by up to that much)."
     )
-    return BudgetError(error.budget, error.least_peak, where=error.where, why=" ".join(filter(None, [error.why, why])))
+    return error.explained(why)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    """Dynamo's example values of the graph's outputs."""
+    nodes: list[torch.fx.Node] = []
+    for out in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(out.args, nodes.append)
+    return [n.meta.get("example_value") for n in nodes]
 
 
 def _output_bytes(gm: torch.fx.GraphModule) -> int:
     """Bytes of the graph's outputs, from Dynamo's example values (an upper bound: aliases counted apiece)."""
-    nodes: list[torch.fx.Node] = []
-    for out in gm.graph.find_nodes(op="output"):
-        torch.fx.node.map_arg(out.args, nodes.append)
-    vals = [n.meta.get("example_value") for n in nodes]
-    return sum(v.untyped_storage().nbytes() for v in vals if isinstance(v, torch.Tensor))
+    return sum(v.untyped_storage().nbytes() for v in _output_values(gm) if isinstance(v, torch.Tensor))
 
 
 def _planned_released(graph: TrackedGraph, options: Options, held_least: int) -> Options:
@@ -705,17 +703,14 @@ def _watch(out, args, graph: TrackedGraph) -> None:
         [weakref.ref(o) for o in own],
         frozenset(_leaves(args)),
         id(graph),
-        tuple((StorageWeakRef(o.untyped_storage()), o.untyped_storage().nbytes()) for o in storages.values()),
+        tuple((StorageWeakRef(o.untyped_storage()), o.untyped_storage().nbytes(), p) for p, o in storages.items()),
         _node(differentiable),
-        ptrs=tuple(storages),
     )
-    with _LOCK:
-        for earlier in _CALLS:
-            if not earlier.fed and any(
-                ptr in inputs and not ref.expired() for (ref, _), ptr in zip(earlier.storages, earlier.ptrs)
-            ):
-                earlier.fed = True
     if options.budget is not None:
+        with _LOCK:  # earlier calls whose outputs this one takes: not a caller's loss (_note_caller)
+            for earlier in _CALLS:
+                if not earlier.fed and any(p in inputs and not ref.expired() for ref, _, p in earlier.storages):
+                    earlier.fed = True
         calls = held()
         mine = [c for c in calls if c.owner == id(graph)]
         if mine:
@@ -833,7 +828,6 @@ def _note_caller(graph: TrackedGraph, grad, call: _Call) -> None:
         f"reserving {format_bytes(reserve)} for what its caller allocates around it (a loss outside the graph)",
         reserve=(graph.pending or options).reserve + reserve,
     )
-    graph.caller_reserved = reserve
 
 
 # (backward node of a call, its graph, its parameters' bytes) for calls whose backward may add
