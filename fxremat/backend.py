@@ -34,7 +34,7 @@ from .grads import handing_over
 from .options import Options
 from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
-from .planner import partition, watch
+from .planner import Vetoed, partition, remembering, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
 
@@ -65,7 +65,7 @@ def _partition_guarded(gm, joint_inputs, options: Options, sync_ranks: bool = Fa
     """Run the planner; on an unexpected failure raise with context, or fall back."""
     try:
         return partition(gm, joint_inputs, options=options, sync_ranks=sync_ranks, **kwargs)
-    except BudgetError:
+    except (BudgetError, Vetoed):
         raise
     except Exception as exc:
         if options.on_error != "fallback":
@@ -116,11 +116,15 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     dry = program_compiler is not None
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
-        return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
+        # The first plans of a graph (budget refused, then the outputs dropped or the least plan;
+        # the loss whole, then chunked) share what they found (planner.remembering).
+        with remembering():
+            return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
         """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""
-        return compile_choosing_chunks(gm, example_inputs, options, compile_watched)
+        with remembering():
+            return compile_choosing_chunks(gm, example_inputs, options, compile_watched)
 
     def compile_watched(gm: fx.GraphModule, example_inputs, options: Options, notes: tuple[ChunkNote, ...]):
         with watch() as planned, noting(notes):

@@ -15,7 +15,9 @@ rewrites them; this module decides, with the planner's own numbers:
   chunked one is planned too when no unchunked plan fits, or when the unchunked plan fits only by
   recomputing more (estimated) time than the chunked head adds and the logits are a real share
   of the budget. The plan that fits, then the faster (recompute plus the head's extra matmul), runs;
-  the other is dropped from ``fxremat.plans()``.
+  the other is dropped from ``fxremat.plans()``. The whole graph's plan is judged before any code
+  is generated for it (``planner.vetoing``): when the chunked one is planned, only the one that
+  runs is compiled, and the whole plan, when it wins, is not searched again (``planner.remembering``).
 
 Unless "off", logits the model returns leave the graph without a gradient path through it, chunked
 or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradient of zeros for them.
@@ -43,7 +45,7 @@ from .passes.chunk_loss import (
     reattach_head_grads,
 )
 from .plan import Plan
-from .recorder import forget
+from .planner import Vetoed, vetoing
 
 __all__ = ["compile_choosing_chunks", "LOGITS_MIN_SHARE"]
 
@@ -91,8 +93,30 @@ def compile_choosing_chunks(
     if options.budget is None or max(counts) < 2:
         return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     source = copy_dynamo_graph(gm)
+    extra = _extra_seconds(sites, options)
+    logits = max(site.logits_bytes() for site in sites)
+    budget = options.budget
+
+    def chunk_instead(plan: Plan) -> bool:
+        # Fits whole only by recomputing more than chunking adds, with logits worth chunking: the
+        # whole graph is not compiled (planner.vetoing) until the chunked one is planned.
+        return not (plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * budget))
+
     try:
-        compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
+        with vetoing(chunk_instead):
+            compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
+    except Vetoed as vetoed:
+        whole = vetoed.plan
+        try:
+            # Compiled only when it beats the whole plan: else set aside before code generation too.
+            with vetoing(lambda chunked_plan: not _better(chunked_plan, extra, whole)):
+                return _compile_sites(
+                    copy_dynamo_graph(source), example_inputs, options, sites, compile_one, None, whole.predicted_peak
+                )
+        except (Vetoed, BudgetError):
+            pass  # not better, or chunking raised the least peak above a budget the whole loss fits
+        # The loss whole after all: its plan is remembered (planner.remembering), not searched again.
+        return _compile_sites(source, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:
         log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))
         try:
@@ -107,22 +131,7 @@ def compile_choosing_chunks(
                 why += f"{format_bytes(chunked_exc.least_peak)}."
             least = min(chunked_exc.least_peak, exc.least_peak)
             raise BudgetError(chunked_exc.budget, least, where=chunked_exc.where, why=why).explained(exc.why) from None
-    if plan is None:
-        return compiled, plan
-    extra = _extra_seconds(sites, options)
-    logits = max(site.logits_bytes() for site in sites)
-    if plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * options.budget):
-        return compiled, plan  # fits whole; chunking would only cost time
-    chunked, chunked_plan = _compile_sites(
-        source, example_inputs, options, sites, compile_one, None, plan.predicted_peak
-    )
-    if chunked_plan is None:
-        return compiled, plan
-    if _better(chunked_plan, extra, plan):
-        forget(plan)
-        return chunked, chunked_plan
-    forget(chunked_plan)
-    return compiled, plan
+    return compiled, plan  # fits whole, or nothing to plan: chunking would only cost time
 
 
 def _better(chunked: Plan, extra: float, whole: Plan) -> bool:

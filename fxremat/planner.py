@@ -64,6 +64,9 @@ __all__ = [
     "NO_BUDGET_MIN_GAIN",
     "NO_BUDGET_MIN_GAIN_BYTES",
     "USER_OUTPUTS",
+    "remembering",
+    "vetoing",
+    "Vetoed",
 ]
 
 # The solver searches on its fast abstract model; each candidate is judged on the
@@ -225,6 +228,8 @@ def partition(
         released_peak=released_peak(analysis, choice.lowered, options),
         accumulating=choice.accumulating,
     )
+    if any(test(plan) for test in _VETOES):
+        raise Vetoed(plan)
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -590,24 +595,105 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
             lowering[0] += time.perf_counter() - t
         return judged[decision.kept]
 
+    memo = _REMEMBERED[-1] if _REMEMBERED else {}
+    # Under either on_infeasible: a refusal remembered is the least plan "min" runs, and the other way round.
+    memo_key = _cache_key(analysis, replace(options, on_infeasible="error")) if _REMEMBERED else None
+    if memo_key is not None and memo_key in memo:
+        remembered = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED, judge)
+        if remembered is not None:
+            return _settled(remembered, options, name)
     key = _cache_key(analysis, options) if plan_cache.enabled() else None
     if key is not None:
-        cached = _from_cache(key, analysis, options, name, fastest, started)
+        cached = _from_cache(key, analysis, options, name, fastest, started, judge)
         if cached is not None:
-            return cached
-    try:
-        choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
-    except BudgetError as e:
+            return _settled(cached, options, name)
+    choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
+    if not choice.fits and options.on_infeasible == "error":
+        if memo_key is not None and choice.lowered.source != "simulation+allowance":
+            memo[memo_key] = {**_cache_entry(analysis, choice), "accumulating_unknown": True}
         if key is not None:
-            plan_cache.store(key, {"refused": e.least_peak, "why": e.why})
-        raise
+            plan_cache.store(key, {"refused": choice.lowered.peak + options.reserve, "why": ""})
+        return _settled(choice, options, name)
     t = time.perf_counter()
     accumulating = accumulating_peaks(analysis, choice.lowered, options)
     lowering[0] += time.perf_counter() - t
     choice = replace(choice, lower_seconds=lowering[0], accumulating=accumulating)
-    if key is not None and choice.lowered.source != "simulation+allowance":
-        plan_cache.store(key, _cache_entry(analysis, choice))
-    return choice
+    if choice.lowered.source != "simulation+allowance":
+        if key is not None:
+            plan_cache.store(key, _cache_entry(analysis, choice))
+        if memo_key is not None:
+            memo[memo_key] = _cache_entry(analysis, choice)
+    return _settled(choice, options, name)
+
+
+def _settled(choice: Choice, options: Options, name: str) -> Choice:
+    """``choice``, or, when it does not fit: a ``BudgetError`` (``on_infeasible="error"``) or the
+    least-memory plan with a warning, its note saying why."""
+    if choice.fits:
+        return choice
+    assert options.budget is not None
+    if options.on_infeasible == "error":
+        raise BudgetError(options.budget, choice.lowered.peak + options.reserve, where=name)
+    why = _out_of_reach(options, choice.lowered.peak)
+    warnings.warn(f"fxremat {name}: {why}", stacklevel=4)
+    if why in choice.note:
+        return choice
+    return replace(choice, note=f"{why}; {choice.note}" if choice.note else why)
+
+
+# ------------------------------------------------------------ remembered choices
+
+
+# Sentinel for a peak a refused plan was not judged at (``Choice.fastest_peak``): judged when reused.
+UNKNOWN = -1
+REMEMBERED = "planned earlier in this compile"
+_REMEMBERED: list[dict[str, dict]] = []
+
+
+@contextlib.contextmanager
+def remembering():
+    """Inside the block, a graph planned again with the same options (whatever ``on_infeasible``)
+    reuses the choice made for it in the block instead of searching and lowering candidates again.
+
+    The compile pipeline plans one graph several times: with the budget refused, then for the
+    least-memory plan; whole, stopped before code generation (``vetoing``), and whole again when
+    the loss chunked is not better. The search is deterministic, so the choice is the one it would
+    make again. Nested blocks share the outermost one's choices; leaving it forgets them.
+    """
+    outermost = not _REMEMBERED
+    if outermost:
+        _REMEMBERED.append({})
+    try:
+        yield
+    finally:
+        if outermost:
+            _REMEMBERED.pop()
+
+
+class Vetoed(Exception):
+    """Raised by ``partition`` inside ``vetoing`` when the test refused its plan: compiling stopped
+    before any code was generated for it. ``plan`` is the refused plan (not recorded)."""
+
+    def __init__(self, plan) -> None:
+        super().__init__(f"fxremat {plan.graph}: plan set aside before code generation")
+        self.plan = plan
+
+
+_VETOES: list = []
+
+
+@contextlib.contextmanager
+def vetoing(test):
+    """Inside the block, a plan for which ``test(plan)`` is true raises ``Vetoed`` before code generation.
+
+    ``chunking`` plans a loss whole first and chunks it when that plan fits only by recomputing
+    more than chunking costs: without this, the whole graph's forward would be compiled for nothing.
+    """
+    _VETOES.append(test)
+    try:
+        yield
+    finally:
+        _VETOES.remove(test)
 
 
 # ------------------------------------------------------------ the plan cache (plan_cache.py)
@@ -648,7 +734,7 @@ def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
 
 
 def _from_cache(
-    key: str, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float
+    key: str, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float, judge
 ) -> Choice | None:
     """The Choice an earlier run made for this graph and options, or None (no usable entry)."""
     entry = plan_cache.load(key)
@@ -658,6 +744,18 @@ def _from_cache(
         assert options.budget is not None
         log.info("fxremat %s: budget refused in an earlier run (plan cache %s)", name, key[:12])
         raise BudgetError(options.budget, int(entry["refused"]), where=name, why=str(entry.get("why", "")))
+    choice = _from_entry(entry, analysis, options, name, fastest, started, FROM_CACHE, judge)
+    if choice is not None:
+        log.info("fxremat %s: %s %s", name, FROM_CACHE, key[:12])
+    return choice
+
+
+def _from_entry(
+    entry: dict, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float, how: str, judge
+) -> Choice | None:
+    """The Choice ``entry`` (``_cache_entry``) describes, noted ``how`` it was found, or None when the
+    entry was made for another problem. What a refusal did not judge (the fastest plan, steps with
+    ``.grad`` allocated) is judged now."""
     index = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
     try:
         kept = sorted(index[k] for k in entry["kept"])
@@ -672,14 +770,14 @@ def _from_cache(
         accumulating = (int(accumulating[0]), int(accumulating[1])) if accumulating else None
         d = replace(d, feasible=bool(entry["feasible"]))
     except (KeyError, TypeError, ValueError) as e:
-        log.info("fxremat %s: ignoring a malformed plan cache entry %s (%s)", name, key[:12], e)
+        log.info("fxremat %s: ignoring a malformed plan entry (%s; %s)", name, how, e)
         return None
     lowered = lower(analysis, d, options, known)
-    if not fits:
-        assert options.budget is not None
-        warnings.warn(f"fxremat {name}: {_out_of_reach(options, lowered.peak)}", stacklevel=3)
-    log.info("fxremat %s: %s %s", name, FROM_CACHE, key[:12])
-    note = "; ".join(filter(None, [note, FROM_CACHE]))
+    if fastest_peak == UNKNOWN:
+        fastest_peak = judge(fastest).peak
+    if accumulating is None and entry.get("accumulating_unknown"):
+        accumulating = accumulating_peaks(analysis, lowered, options)
+    note = "; ".join(filter(None, [note, how]))
     return Choice(lowered, fastest, fits, note, time.perf_counter() - started, fastest_peak, accumulating=accumulating)
 
 
@@ -752,9 +850,6 @@ def _choose(
         # The search's candidates all peaked over, but the least plan fits (per-layer checkpointing's
         # programs can peak lower than the search's least, ``_least``): it is the plan.
         return Choice(least, fastest, True, note, time.perf_counter() - started, judge(fastest).peak)
-    if options.on_infeasible == "error":
-        raise BudgetError(options.budget, least.peak + options.reserve, where=name)
-    why = _out_of_reach(options, least.peak)
-    warnings.warn(f"fxremat {name}: {why}", stacklevel=2)
-    note = f"{why}; {note}" if note else why
-    return Choice(least, fastest, False, note, time.perf_counter() - started, judge(fastest).peak)
+    # Out of reach: ``choose`` raises or warns. A refusal does not lower the fastest plan for the report.
+    fastest_peak = judge(fastest).peak if options.on_infeasible != "error" else UNKNOWN
+    return Choice(least, fastest, False, note, time.perf_counter() - started, fastest_peak)

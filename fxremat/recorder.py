@@ -17,7 +17,7 @@ from .budget import format_bytes
 from .options import Options
 from .plan import Plan
 
-__all__ = ["plans", "clear_plans", "new_graph_name", "record", "forget", "MAX_PLANS"]
+__all__ = ["plans", "clear_plans", "new_graph_name", "record", "MAX_PLANS"]
 
 log = logging.getLogger("fxremat")
 
@@ -92,13 +92,3 @@ def record(plan: Plan, options: Options) -> None:
             warnings.warn(
                 f"fxremat could not save {plan.graph}'s plan under dump_dir={options.dump_dir!r}: {exc}", stacklevel=3
             )
-
-
-def forget(plan: Plan) -> None:
-    """Drop ``plan`` from ``plans()``: a candidate compiled and then not used (an unchunked loss's plan
-    when the chunked one runs). Files already saved under ``dump_dir`` stay."""
-    with _LOCK:
-        for i, kept in enumerate(_PLANS):
-            if kept is plan:
-                del _PLANS[i]
-                return

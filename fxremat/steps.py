@@ -31,6 +31,7 @@ from .grads import on_hand_over
 from .options import Options
 from .passes.chunk_loss import is_head_gradient
 from .plan import Plan
+from .planner import remembering
 
 __all__ = [
     "track",
@@ -344,10 +345,11 @@ class TrackedGraph:
             self.variants.clear()
             self.for_grads = None
         if self.source is not None:
-            if self.accumulates:
-                self._run_for(_grads_exist(args), args)
-            elif self.for_grads is None:
-                self._run_for(self.options.grads_allocated is True, args)
+            with remembering():  # a refused plan then the least one: searched once
+                if self.accumulates:
+                    self._run_for(_grads_exist(args), args)
+                elif self.for_grads is None:
+                    self._run_for(self.options.grads_allocated is True, args)
         assert self.compiled is not None
         out = self.compiled(*args)
         if self.plan is not None and torch.is_grad_enabled():

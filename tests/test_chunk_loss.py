@@ -347,3 +347,72 @@ def test_auto_never_leaves_two_plans_for_one_graph_under_on_infeasible_min():
 def test_chunk_loss_option_is_validated(value):
     with pytest.raises(ValueError, match="chunk_loss"):
         fxremat.Options.from_mapping({"chunk_loss": value})
+
+
+class WideLM(LM):
+    """A body wide enough that fitting the loss whole recomputes work in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(H, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, H))
+
+
+def _counting_forwards(monkeypatch) -> list[int]:
+    """Node counts of the forward programs the eager inner compiler is handed (its code generation)."""
+    import importlib
+
+    backend = importlib.import_module("fxremat.backend")  # the module, not fxremat.backend the function
+    compiled, compile_program = [], backend.eager_compiler
+
+    def counting(gm, example_inputs, **kwargs):
+        compiled.append(len(gm.graph.nodes))
+        return compile_program(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "eager_compiler", counting)
+    return compiled
+
+
+@pytest.mark.parametrize("chunked_better", [True, False])
+def test_only_the_plan_that_runs_is_compiled_when_auto_weighs_the_loss_whole_and_chunked(monkeypatch, chunked_better):
+    # At 13.5 MiB the whole loss fits by recomputing 0.27 ms of the body; chunking made free, auto
+    # plans the chunked loss too. Before, the whole graph was compiled first, then the chunked one.
+    from fxremat import chunking
+
+    monkeypatch.setattr(chunking, "_extra_seconds", lambda sites, options: 0.0)
+    if not chunked_better:
+        monkeypatch.setattr(chunking, "_better", lambda *args: False)
+    x, y = _data()
+    torch.manual_seed(0)
+    ref_model = WideLM()
+    model = copy.deepcopy(ref_model)
+    ref = ref_model(x, y)
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled_forwards = _counting_forwards(monkeypatch)
+    compiled, loss = _step(model, x, y, budget=int(13.5 * 2**20))
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    assert bool(plan.chunked) == chunked_better
+    assert len(compiled_forwards) == 2  # one forward, one backward: nothing compiled and dropped
+    if not chunked_better:
+        # The whole loss's plan, made before the chunked one was weighed, is not searched again.
+        assert plan.note.endswith("planned earlier in this compile") and plan.recompute_seconds > 0
+
+
+def test_a_refused_budget_then_the_least_plan_is_one_search(monkeypatch):
+    from fxremat import planner
+
+    searches = []
+    solve = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda p, b, name, *a: searches.append(name) or solve(p, b, name, *a))
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(LM(), *_data(), budget=1 << 20, on_infeasible="min", chunk_loss="off")
+    (plan,) = fxremat.plans()
+    assert not plan.feasible and "planned earlier in this compile" in plan.note
+    # The least-peak search (budget 1) and per-layer checkpointing's plan, once each: the plan for
+    # on_infeasible="min" reuses what refusing the budget found.
+    assert searches.count("per_layer") == 1
