@@ -9,6 +9,7 @@ backend with options bound, for code that prefers a callable.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -58,7 +59,10 @@ class FxrematPartitioner(CustomPartitionerFn):
         return _partition_guarded(gm, joint_inputs, self.options, sync_ranks=self.sync_ranks, **kwargs)
 
     def uuid(self) -> str:
-        return hashlib.sha256((self.options.key() + source_digest()).encode()).hexdigest()
+        # Not on_infeasible: a plan made under "error" fits, so "min" would make the same one. Planning
+        # again after a refusal (planner.remembering) must find the same compiler settings.
+        planned = dataclasses.replace(self.options, on_infeasible="error")
+        return hashlib.sha256((planned.key() + source_digest()).encode()).hexdigest()
 
 
 def _partition_guarded(gm, joint_inputs, options: Options, sync_ranks: bool = False, **kwargs):

@@ -400,7 +400,8 @@ def test_only_the_plan_that_runs_is_compiled_when_auto_weighs_the_loss_whole_and
         assert plan.note.endswith("planned earlier in this compile") and plan.recompute_seconds > 0
 
 
-def test_a_refused_budget_then_the_least_plan_is_one_search(monkeypatch):
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_refused_budget_then_the_least_plan_is_one_search(monkeypatch, inner):
     from fxremat import planner
 
     searches = []
@@ -410,7 +411,8 @@ def test_a_refused_budget_then_the_least_plan_is_one_search(monkeypatch):
     fxremat.clear_plans()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _step(LM(), *_data(), budget=1 << 20, on_infeasible="min", chunk_loss="off")
+        # Under Inductor the partitioner's settings must not tell the two plans apart either.
+        _step(LM(), *_data(), budget=1 << 20, on_infeasible="min", chunk_loss="off", inner=inner)
     (plan,) = fxremat.plans()
     assert not plan.feasible and "planned earlier in this compile" in plan.note
     # The least-peak search (budget 1) and per-layer checkpointing's plan, once each: the plan for
