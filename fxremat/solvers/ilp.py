@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from ..quiet import quiet_stdout
 from . import schedule
+from .layers import repeated_values
 from .mincut import solve_mincut
 from .rules import Deadline, Rules, best, forward_ancestors, report_progress, rules
 from .types import Decision, RematProblem, SolveOptions, SolveTimeout
@@ -443,6 +444,7 @@ def solve_ilp(
     deadline: Deadline | None = None,
     node_work: int = MILP_NODE_WORK,
     max_rounds: int = MILP_ROUNDS,
+    tie_layers: bool = False,
 ) -> Decision:
     """The fastest plan whose simulated peak fits the budget, by MILP with lazy rows and no-good cuts.
 
@@ -477,6 +479,11 @@ def solve_ilp(
         node_work: branch-and-bound nodes times relevant values for the
             plan (see ``MILP_NODE_WORK``).
         max_rounds: MILP solves for the plan.
+        tie_layers: give every value the same decision in each identical layer
+            (``layers.repeated_values``): one layer is solved and its choice applied to
+            every copy, the values between layers still chosen one by one. The
+            program's binaries shrink by the number of layers; ``gap`` is then among
+            such plans only.
 
     Returns:
         The decision (``solver="ilp"``); ``feasible=False`` with the least
@@ -501,6 +508,11 @@ def solve_ilp(
     facts = _facts(problem, rule)
     cutoff = warm.recompute_seconds if warm.feasible and budget is not None else None
     program = _program(facts, budget, cutoff)
+    classes = repeated_values(problem, rule) if tie_layers else ()
+    for same in classes:
+        for v in same[1:]:
+            program.row([(program.s(same[0]), 1.0), (program.s(v), -1.0)], 0.0, 0.0)
+            program.row([(program.r(same[0]), 1.0), (program.r(v), -1.0)], 0.0, 0.0)
     memory_limit = None if budget is None else budget - facts.output_bytes
     tried: dict[tuple[int, ...], Decision] = {}
     found: Decision | None = None
@@ -576,13 +588,19 @@ def solve_ilp(
     elif exhausted and exact and warm.feasible:
         # Nothing at least as fast as the warm start fits, but the warm start.
         result, gap = warm, 0.0
-        notes.append("the MILP proved the min-cut plan optimal")
+        notes.append(
+            "no plan tied across layers is faster than the min-cut plan"
+            if classes
+            else "the MILP proved the min-cut plan optimal"
+        )
     else:
         result = best(list(tried.values()) + [warm])
         if exhausted and exact:
             notes.append("no plan fits the budget (proven)")
     if result is warm:
         notes.insert(0, f"min-cut plan ({warm.note})" if warm.note else "min-cut plan")
+    if classes:
+        notes.append(f"{len(classes[0])} identical layers solved as one ({len(classes)} values tied)")
     if limited:
         notes.append(limited)
     if not exact:

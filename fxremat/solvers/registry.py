@@ -19,9 +19,10 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from .ilp import solve_ilp
+from .layers import repeated_values
 from .mincut import solve_mincut
 from .policies import solve_per_layer, solve_save_all, solve_save_inputs, solve_sqrt_n
-from .rules import Deadline, rank
+from .rules import Deadline, rank, rules
 from .types import Decision, RematProblem, SolveOptions
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "WITHIN_ROUNDS",
     "WITHIN_RESOLUTION",
     "AUTO_ILP_MAX_FORWARD",
+    "AUTO_TIED_MAX_RELEVANT",
     "AUTO_MILP_NODE_WORK",
     "AUTO_MILP_ROUNDS",
 ]
@@ -49,6 +51,12 @@ Solver = Callable[[RematProblem, "int | None", SolveOptions], Decision]
 # a second and, at tight ones, improves on min-cut by 3-5% but had not proven
 # it after 10 s (5-10% gap); each MILP round grows with the graph beyond.
 AUTO_ILP_MAX_FORWARD = 400
+# Beyond it, the ILP with identical layers tied (``solve_ilp(tie_layers=True)``) up to this many
+# values to choose among (tied ones included: the program is built over all of them). On HF GPT-2
+# graphs (hidden 256, 256 tokens) at three budgets each, ``auto`` took 0.4-0.8 s at 12 layers (623
+# values; 5.5% less recompute than min-cut at the loosest, proven optimal among tied plans) and
+# 1.2-8.2 s at 32 layers (1583 values), where it found 0.5% once.
+AUTO_TIED_MAX_RELEVANT = 1000
 # Work limits of the ILP inside ``auto`` (see ``ilp.MILP_NODE_WORK``), which
 # replaced 2 s by the clock. On the 2-8 layer synthetic transformers of
 # tests/test_solvers.py (74-284 forward values), at 4 budgets each, ``auto``
@@ -68,7 +76,13 @@ WITHIN_RESOLUTION = 0.02
 
 
 def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions = SolveOptions()) -> Decision:
-    """Min-cut (with the reference policies as candidates), then the ILP warm-started from it on small graphs.
+    """Min-cut (with the reference policies as candidates), then the ILP warm-started from it.
+
+    On graphs of at most ``AUTO_ILP_MAX_FORWARD`` forward nodes the ILP solves the
+    whole graph; on larger ones it runs only under a budget and when the graph has
+    identical layers and at most ``AUTO_TIED_MAX_RELEVANT`` values to choose among, tied
+    (``solve_ilp(tie_layers=True)``: one layer solved for every copy but those at the
+    stack's ends, ``layers.py``).
 
     The ILP runs under smaller work limits than the ``ilp`` solver
     (``AUTO_MILP_NODE_WORK`` and ``AUTO_MILP_ROUNDS``, unless ``options``
@@ -96,8 +110,19 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
     forward = len(problem.forward_ids())
     cut = solve_mincut(problem, budget, options, deadline=deadline)
     result, name, notes = cut, "auto:mincut", [cut.note]
-    if forward > AUTO_ILP_MAX_FORWARD:
+    # Beyond AUTO_ILP_MAX_FORWARD the ILP runs with identical layers tied (layers.py): one layer's
+    # decision for every copy, a program the size of a few layers.
+    tie = forward > AUTO_ILP_MAX_FORWARD
+    rule = rules(problem) if tie else None
+    if rule is not None and budget is None:
         notes.append(f"ILP skipped: {forward} forward nodes > {AUTO_ILP_MAX_FORWARD}")
+    elif rule is not None and len(rule.relevant) > AUTO_TIED_MAX_RELEVANT:
+        notes.append(
+            f"ILP skipped: {forward} forward nodes > {AUTO_ILP_MAX_FORWARD} and {len(rule.relevant)} values "
+            f"to choose > {AUTO_TIED_MAX_RELEVANT}"
+        )
+    elif rule is not None and not repeated_values(problem, rule):
+        notes.append(f"ILP skipped: {forward} forward nodes > {AUTO_ILP_MAX_FORWARD}, and no identical layers")
     elif problem.copies:
         # Earlier calls' kept bytes add a dense term to every memory row: on a Llama decoder
         # layer run 4 times (82 forward nodes) HiGHS took 19 s more and found nothing faster.
@@ -111,6 +136,7 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
             deadline=deadline,
             node_work=AUTO_MILP_NODE_WORK,
             max_rounds=AUTO_MILP_ROUNDS,
+            tie_layers=tie,
         )
         if rank(exact) < rank(cut):
             result, name, notes = exact, "auto:ilp", [exact.note]
@@ -118,7 +144,9 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
             # Min-cut's plan is at least as good as the ILP's: a proven optimum, or the ILP's
             # own answer, whose gap bound then holds for it.
             result = replace(cut, gap=exact.gap)
-            notes.append("ILP proved it optimal" if exact.gap == 0.0 else f"ILP found nothing faster ({exact.note})")
+            among = " among plans tied across identical layers" if tie else ""
+            proved = f"ILP proved it optimal{among}"
+            notes.append(proved if exact.gap == 0.0 else f"ILP found nothing faster{among} ({exact.note})")
         else:
             notes.append(f"ILP found nothing faster ({exact.note})")
     return replace(
