@@ -23,6 +23,7 @@ import torch
 import fxremat
 from fxremat._torch_compat import FakeTensorMode
 from fxremat.solvers import SolveOptions, solve
+from fxremat.solvers.ilp import solve_ilp
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every run plans afresh: the plan cache (fxremat/plan_cache.py) would hide planning time and planner changes.
@@ -64,7 +65,7 @@ def capture(layers: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--layers", type=int, nargs="*", default=[2, 4, 8, 12, 16, 32])
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args()
     options = SolveOptions(time_limit=args.time_limit)
@@ -76,8 +77,9 @@ def main() -> None:
         "each solver timed at three budgets between the fastest plan's peak and the least reachable peak",
         f"(safety-net time limit {args.time_limit:g} s; the solvers stop on work limits). Target: at most 1 s for 12 layers and at most 10% of the compile time.",
         "",
-        "| layers | joint nodes | capture s | budget | mincut s | mincut est. ms | ilp s | ilp est. ms | ilp gap | auto s | auto solver |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layers | joint nodes | capture s | budget | mincut s | mincut est. ms | ilp s | ilp est. ms | ilp gap "
+        "| tied ilp s | tied est. ms | tied gap | auto s | auto est. ms | auto solver |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layers in args.layers:
         plan, capture_s = capture(layers)
@@ -87,16 +89,18 @@ def main() -> None:
         for frac in (0.75, 0.5, 0.25):
             budget = int(lo + (hi - lo) * frac)
             row = [str(layers), str(problem.size), f"{capture_s:.1f}", f"{frac:.2f} of range"]
-            for name in ("mincut", "ilp", "auto"):
+            for name in ("mincut", "ilp", "tied ilp", "auto"):
                 t = time.perf_counter()
-                d = solve(problem, budget, name, options)
-                secs = time.perf_counter() - t
-                if name == "auto":
-                    row += [f"{secs:.2f}", d.solver]
+                if name == "tied ilp":  # identical layers solved once (solvers/layers.py)
+                    d = solve_ilp(problem, budget, options, tie_layers=True)
                 else:
-                    row += [f"{secs:.2f}", f"{d.recompute_seconds * 1e3:.3f}" if d.feasible else "infeasible"]
-                    if name == "ilp":
-                        row.append("n/a" if d.gap is None else f"{d.gap:.1%}")
+                    d = solve(problem, budget, name, options)
+                secs = time.perf_counter() - t
+                row += [f"{secs:.2f}", f"{d.recompute_seconds * 1e3:.3f}" if d.feasible else "infeasible"]
+                if name in ("ilp", "tied ilp"):
+                    row.append("n/a" if d.gap is None else f"{d.gap:.1%}")
+                if name == "auto":
+                    row.append(d.solver)
             lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
     lines.append("")
