@@ -22,7 +22,7 @@ import torch
 
 import fxremat
 from fxremat._torch_compat import FakeTensorMode
-from fxremat.solvers import SolveOptions, solve
+from fxremat.solvers import SolveOptions, SolveTimeout, solve
 from fxremat.solvers.ilp import solve_ilp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,10 +91,15 @@ def main() -> None:
             row = [str(layers), str(problem.size), f"{capture_s:.1f}", f"{frac:.2f} of range"]
             for name in ("mincut", "ilp", "tied ilp", "auto"):
                 t = time.perf_counter()
-                if name == "tied ilp":  # identical layers solved once (solvers/layers.py)
-                    d = solve_ilp(problem, budget, options, tie_layers=True)
-                else:
-                    d = solve(problem, budget, name, options)
+                try:
+                    if name == "tied ilp":  # identical layers solved once (solvers/layers.py)
+                        d = solve_ilp(problem, budget, options, tie_layers=True)
+                    else:
+                        d = solve(problem, budget, name, options)
+                except SolveTimeout:
+                    row += [f"> {args.time_limit:g}", "safety net"] + (["n/a"] if "ilp" in name else [])
+                    row += ["n/a"] if name == "auto" else []
+                    continue
                 secs = time.perf_counter() - t
                 row += [f"{secs:.2f}", f"{d.recompute_seconds * 1e3:.3f}" if d.feasible else "infeasible"]
                 if name in ("ilp", "tied ilp"):
