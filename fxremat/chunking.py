@@ -106,15 +106,24 @@ def compile_choosing_chunks(
         with vetoing(chunk_instead):
             compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     except Vetoed as vetoed:
+        if vetoed.test is not chunk_instead:
+            raise  # an enclosing block's
         whole = vetoed.plan
+
+        def worse(chunked_plan: Plan) -> bool:
+            return not _better(chunked_plan, extra, whole)
+
         try:
             # Compiled only when it beats the whole plan: else set aside before code generation too.
-            with vetoing(lambda chunked_plan: not _better(chunked_plan, extra, whole)):
+            with vetoing(worse):
                 return _compile_sites(
                     copy_dynamo_graph(source), example_inputs, options, sites, compile_one, None, whole.predicted_peak
                 )
-        except (Vetoed, BudgetError):
-            pass  # not better, or chunking raised the least peak above a budget the whole loss fits
+        except Vetoed as set_aside:
+            if set_aside.test is not worse:
+                raise
+        except BudgetError:
+            pass  # chunking raised the least peak above a budget the whole loss fits
         # The loss whole after all: its plan is remembered (planner.remembering), not searched again.
         return _compile_sites(source, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:

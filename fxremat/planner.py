@@ -228,8 +228,9 @@ def partition(
         released_peak=released_peak(analysis, choice.lowered, options),
         accumulating=choice.accumulating,
     )
-    if any(test(plan) for test in _VETOES):
-        raise Vetoed(plan)
+    for test in reversed(_VETOES):  # the innermost block first
+        if test(plan):
+            raise Vetoed(plan, test)
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -347,7 +348,10 @@ def _handed_backward(analysis: Analysis, backward: fx.GraphModule, options: Opti
     spec = hand_over_spec(analysis, options)
     if spec is None:
         return None
-    handed = copy.deepcopy(backward)
+    # A new graph over the same attributes: deep-copying the module would copy its tensor constants,
+    # which fails for fake ones (HF GPT-2's attention mask: "set the storage of a tensor on device meta").
+    handed = fx.GraphModule(backward, copy.deepcopy(backward.graph))
+    handed.meta.update(backward.meta)
     return handed if hand_over_gradients(handed, list(spec[0]), spec[1], HAND_OVER_OP) else None
 
 
@@ -671,12 +675,13 @@ def remembering():
 
 
 class Vetoed(Exception):
-    """Raised by ``partition`` inside ``vetoing`` when the test refused its plan: compiling stopped
-    before any code was generated for it. ``plan`` is the refused plan (not recorded)."""
+    """Raised by ``partition`` inside ``vetoing`` when a test refused its plan: compiling stopped
+    before any code was generated for it. ``plan`` is the refused plan (not recorded), ``test`` the
+    test that refused it (a block catches only its own)."""
 
-    def __init__(self, plan) -> None:
+    def __init__(self, plan, test) -> None:
         super().__init__(f"fxremat {plan.graph}: plan set aside before code generation")
-        self.plan = plan
+        self.plan, self.test = plan, test
 
 
 _VETOES: list = []
@@ -688,6 +693,7 @@ def vetoing(test):
 
     ``chunking`` plans a loss whole first and chunks it when that plan fits only by recomputing
     more than chunking costs: without this, the whole graph's forward would be compiled for nothing.
+    Blocks nest; the innermost test is asked first.
     """
     _VETOES.append(test)
     try:

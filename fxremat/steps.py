@@ -31,7 +31,7 @@ from .grads import on_hand_over
 from .options import Options
 from .passes.chunk_loss import is_head_gradient
 from .plan import Plan
-from .planner import remembering
+from .planner import Vetoed, remembering, vetoing
 
 __all__ = [
     "track",
@@ -260,7 +260,8 @@ class TrackedGraph:
         if options.grads_allocated is not None or plan.recompute_seconds <= 0:
             return  # fixed by the user, or nothing recomputed: nothing to gain
         budget = max(1, options.budget - options.reserve)
-        if plan.accumulating_peak > (1 - ACCUMULATING_MIN_UNUSED) * budget:
+        # Out of reach (on_infeasible="min"), such steps may have a least plan of their own.
+        if plan.feasible and plan.accumulating_peak > (1 - ACCUMULATING_MIN_UNUSED) * budget:
             return
         self.accumulates = True
         log.warning(
@@ -302,6 +303,32 @@ class TrackedGraph:
         if self.plan is not None:
             _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
 
+    def _compile_for_grads(self, args) -> None:
+        """Plan and compile the program of steps whose parameters' ``.grad`` exist; ``BudgetError`` when
+        none fits the budget, or, with the budget out of reach (``on_infeasible="min"``), when their least
+        plan peaks no lower on them than the first plan does."""
+        options = dataclasses.replace(self.options, grads_allocated=True, on_infeasible="error")
+        first = self.variants.get(False, (None, None))[1]
+        if first is None or first.feasible or self.options.on_infeasible != "min":
+            self._compile(args, options)
+            return
+        # Out of reach: the least plan of steps making new .grad need not be theirs. Those peak late
+        # in the backward, where the new gradients pile up; these where the saved activations do.
+        theirs = first.released_accumulating_peak if self.released else first.accumulating_peak
+
+        def no_lower(plan: Plan) -> bool:
+            return plan.predicted_peak >= theirs
+
+        try:
+            with vetoing(no_lower):
+                self._compile(args, dataclasses.replace(options, on_infeasible="min"))
+        except Vetoed as vetoed:
+            if vetoed.test is not no_lower:
+                raise
+            raise BudgetError(
+                options.budget or 1, vetoed.plan.predicted_peak, why="no lower than the first plan"
+            ) from None
+
     def _run_for(self, grads: bool, args) -> None:
         """Make the running program the one planned for steps with (``grads``) or without ``.grad``."""
         if grads == self.for_grads:
@@ -320,7 +347,7 @@ class TrackedGraph:
             return
         if grads and self.options.grads_allocated is None:
             try:
-                self._compile(args, dataclasses.replace(self.options, grads_allocated=True, on_infeasible="error"))
+                self._compile_for_grads(args)
             except BudgetError as exc:
                 # The plan for steps making new .grad fits these steps too: it runs for both.
                 self.accumulates = False
