@@ -799,7 +799,9 @@ def _watch(out, args, graph: TrackedGraph) -> None:
                 release_outputs=True,
             )
 
-    torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+    # Bookkeeping in Python, run as such: compiled autograd would hand it to Dynamo, which cannot trace
+    # it whole (formatting a size in a log line failed inside Dynamo once the step found .grad).
+    torch.autograd.graph.register_multi_grad_hook(differentiable, torch.compiler.disable(backward_started), mode="any")
 
 
 def _note_caller(graph: TrackedGraph, grad, call: _Call) -> None:
