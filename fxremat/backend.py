@@ -48,7 +48,8 @@ class FxrematPartitioner(CustomPartitionerFn):
     """fxremat's partitioner in Inductor's ``custom_partitioner_fn`` slot.
 
     ``uuid()`` covers every option that changes the plan and fxremat's source,
-    so Inductor's FX graph cache never serves a plan made for other options.
+    so Inductor's FX graph cache never serves a plan made for other options
+    (``on_infeasible`` decides whether a budget is refused, never which plan runs).
     """
 
     def __init__(self, options: Options, sync_ranks: bool = False) -> None:
