@@ -169,11 +169,7 @@ def test_finds_a_loss_whose_arguments_are_all_positional():
 def test_a_positional_loss_chunked_equals_eager():
     x, y = _data(batch=2)
     ref_model = ByModule()
-    model = copy.deepcopy(ref_model)
-    ref = ref_model(x, y)
-    ref.backward()
-    torch._dynamo.reset()
-    fxremat.clear_plans()
+    model, ref = _twin(ref_model, x, y)
     _, loss = _step(model, x, y, chunk_loss=4)
     compare(ref_model, ref, model, loss)
     (plan,) = fxremat.plans()
@@ -190,15 +186,21 @@ def _step(model, x, y, **options):
     return compiled, loss
 
 
-@pytest.mark.parametrize("options", [{"chunk_loss": 4}, {"chunk_loss": 3, "release_outputs": True}])
-def test_compiled_chunked_loss_equals_eager(options, tmp_path):
-    x, y = _data(batch=2)
-    ref_model = LM(bias=True, smoothing=0.05)
+def _twin(ref_model, x, y):
+    """(a copy of ``ref_model`` to compile, the reference loss after its backward); Dynamo and the plans reset."""
     model = copy.deepcopy(ref_model)
     ref = ref_model(x, y)
     ref.backward()
     torch._dynamo.reset()
     fxremat.clear_plans()
+    return model, ref
+
+
+@pytest.mark.parametrize("options", [{"chunk_loss": 4}, {"chunk_loss": 3, "release_outputs": True}])
+def test_compiled_chunked_loss_equals_eager(options, tmp_path):
+    x, y = _data(batch=2)
+    ref_model = LM(bias=True, smoothing=0.05)
+    model, ref = _twin(ref_model, x, y)
     _, loss = _step(model, x, y, **options)
     compare(ref_model, ref, model, loss)
     (plan,) = fxremat.plans()
@@ -384,11 +386,7 @@ def test_only_the_plan_that_runs_is_compiled_when_auto_weighs_the_loss_whole_and
     x, y = _data()
     torch.manual_seed(0)
     ref_model = WideLM()
-    model = copy.deepcopy(ref_model)
-    ref = ref_model(x, y)
-    ref.backward()
-    torch._dynamo.reset()
-    fxremat.clear_plans()
+    model, ref = _twin(ref_model, x, y)
     compiled_forwards = _counting_forwards(monkeypatch)
     compiled, loss = _step(model, x, y, budget=int(13.5 * 2**20))
     compare(ref_model, ref, model, loss)
