@@ -35,7 +35,8 @@ from .grads import handing_over
 from .options import Options
 from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
-from .planner import Vetoed, partition, remembering, watch
+from .compile_scope import Vetoed, remembering
+from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
 
@@ -61,7 +62,7 @@ class FxrematPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> str:
         # Not on_infeasible: a plan made under "error" fits, so "min" would make the same one. Planning
-        # again after a refusal (planner.remembering) must find the same compiler settings.
+        # again after a refusal (compile_scope.remembering) must find the same compiler settings.
         planned = dataclasses.replace(self.options, on_infeasible="error")
         return hashlib.sha256((planned.key() + source_digest()).encode()).hexdigest()
 
@@ -122,7 +123,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
         # The first plans of a graph (budget refused, then the outputs dropped or the least plan;
-        # the loss whole, then chunked) share what they found (planner.remembering).
+        # the loss whole, then chunked) share what they found (compile_scope.remembering).
         with remembering():
             return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
 

@@ -16,8 +16,8 @@ rewrites them; this module decides, with the planner's own numbers:
   recomputing more (estimated) time than the chunked head adds and the logits are a real share
   of the budget. The plan that fits, then the faster (recompute plus the head's extra matmul), runs;
   the other is dropped from ``fxremat.plans()``. The whole graph's plan is judged before any code
-  is generated for it (``planner.vetoing``): when the chunked one is planned, only the one that
-  runs is compiled, and the whole plan, when it wins, is not searched again (``planner.remembering``).
+  is generated for it (``compile_scope.vetoing``): when the chunked one is planned, only the one that
+  runs is compiled, and the whole plan, when it wins, is not searched again (``compile_scope.remembering``).
 
 Unless "off", logits the model returns leave the graph without a gradient path through it, chunked
 or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradient of zeros for them.
@@ -45,7 +45,7 @@ from .passes.chunk_loss import (
     reattach_head_grads,
 )
 from .plan import Plan
-from .planner import Vetoed, vetoing
+from .compile_scope import Vetoed, vetoing
 
 __all__ = ["compile_choosing_chunks", "LOGITS_MIN_SHARE"]
 
@@ -99,7 +99,7 @@ def compile_choosing_chunks(
 
     def chunk_instead(plan: Plan) -> bool:
         # Fits whole only by recomputing more than chunking adds, with logits worth chunking: the
-        # whole graph is not compiled (planner.vetoing) until the chunked one is planned.
+        # whole graph is not compiled (compile_scope.vetoing) until the chunked one is planned.
         return not (plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * budget))
 
     try:
@@ -124,7 +124,7 @@ def compile_choosing_chunks(
                 raise
         except BudgetError:
             pass  # chunking raised the least peak above a budget the whole loss fits
-        # The loss whole after all: its plan is remembered (planner.remembering), not searched again.
+        # The loss whole after all: its plan is remembered (compile_scope.remembering), not searched again.
         return _compile_sites(source, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:
         log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))

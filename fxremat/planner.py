@@ -44,6 +44,7 @@ from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import ScratchAt, measure_scratch
 from .passes.simulate import Simulation, simulate
 from . import plan_cache, ranks
+from .compile_scope import remembered, veto
 from .grads import HAND_OVER_OP
 from .recorder import new_graph_name, record
 from .report import build_plan
@@ -64,9 +65,6 @@ __all__ = [
     "NO_BUDGET_MIN_GAIN",
     "NO_BUDGET_MIN_GAIN_BYTES",
     "USER_OUTPUTS",
-    "remembering",
-    "vetoing",
-    "Vetoed",
 ]
 
 # The solver searches on its fast abstract model; each candidate is judged on the
@@ -228,9 +226,7 @@ def partition(
         released_peak=released_peak(analysis, choice.lowered, options),
         accumulating=choice.accumulating,
     )
-    for test in reversed(_VETOES):  # the innermost block first
-        if test(plan):
-            raise Vetoed(plan, test)
+    veto(plan)  # inside compile_scope.vetoing: set aside before any code is generated for it
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -599,13 +595,13 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
             lowering[0] += time.perf_counter() - t
         return judged[decision.kept]
 
-    memo = _REMEMBERED[-1] if _REMEMBERED else {}
+    memo = remembered()
     # Under either on_infeasible: a refusal remembered is the least plan "min" runs, and the other way round.
-    memo_key = _cache_key(analysis, replace(options, on_infeasible="error")) if _REMEMBERED else None
-    if memo_key is not None and memo_key in memo:
-        remembered = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED, judge)
-        if remembered is not None:
-            return _settled(remembered, options, name)
+    memo_key = None if memo is None else _cache_key(analysis, replace(options, on_infeasible="error"))
+    if memo is not None and memo_key in memo:
+        again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED, judge)
+        if again is not None:
+            return _settled(again, options, name)
     key = _cache_key(analysis, options) if plan_cache.enabled() else None
     if key is not None:
         cached = _from_cache(key, analysis, options, name, fastest, started, judge)
@@ -613,7 +609,7 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
             return _settled(cached, options, name)
     choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
     if not choice.fits and options.on_infeasible == "error":
-        if memo_key is not None and choice.lowered.source != "simulation+allowance":
+        if memo is not None and memo_key is not None and choice.lowered.source != "simulation+allowance":
             memo[memo_key] = {**_cache_entry(analysis, choice), "accumulating_unknown": True}
         if key is not None:
             plan_cache.store(key, {"refused": choice.lowered.peak + options.reserve, "why": ""})
@@ -625,7 +621,7 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     if choice.lowered.source != "simulation+allowance":
         if key is not None:
             plan_cache.store(key, _cache_entry(analysis, choice))
-        if memo_key is not None:
+        if memo is not None and memo_key is not None:
             memo[memo_key] = _cache_entry(analysis, choice)
     return _settled(choice, options, name)
 
@@ -651,55 +647,6 @@ def _settled(choice: Choice, options: Options, name: str) -> Choice:
 # Sentinel for a peak a refused plan was not judged at (``Choice.fastest_peak``): judged when reused.
 UNKNOWN = -1
 REMEMBERED = "planned earlier in this compile"
-_REMEMBERED: list[dict[str, dict]] = []
-
-
-@contextlib.contextmanager
-def remembering():
-    """Inside the block, a graph planned again with the same options (whatever ``on_infeasible``)
-    reuses the choice made for it in the block instead of searching and lowering candidates again.
-
-    The compile pipeline plans one graph several times: with the budget refused, then for the
-    least-memory plan; whole, stopped before code generation (``vetoing``), and whole again when
-    the loss chunked is not better. The search is deterministic, so the choice is the one it would
-    make again. Nested blocks share the outermost one's choices; leaving it forgets them.
-    """
-    outermost = not _REMEMBERED
-    if outermost:
-        _REMEMBERED.append({})
-    try:
-        yield
-    finally:
-        if outermost:
-            _REMEMBERED.pop()
-
-
-class Vetoed(Exception):
-    """Raised by ``partition`` inside ``vetoing`` when a test refused its plan: compiling stopped
-    before any code was generated for it. ``plan`` is the refused plan (not recorded), ``test`` the
-    test that refused it (a block catches only its own)."""
-
-    def __init__(self, plan, test) -> None:
-        super().__init__(f"fxremat {plan.graph}: plan set aside before code generation")
-        self.plan, self.test = plan, test
-
-
-_VETOES: list = []
-
-
-@contextlib.contextmanager
-def vetoing(test):
-    """Inside the block, a plan for which ``test(plan)`` is true raises ``Vetoed`` before code generation.
-
-    ``chunking`` plans a loss whole first and chunks it when that plan fits only by recomputing
-    more than chunking costs: without this, the whole graph's forward would be compiled for nothing.
-    Blocks nest; the innermost test is asked first.
-    """
-    _VETOES.append(test)
-    try:
-        yield
-    finally:
-        _VETOES.remove(test)
 
 
 # ------------------------------------------------------------ the plan cache (plan_cache.py)

@@ -31,7 +31,7 @@ from .grads import on_hand_over
 from .options import Options
 from .passes.chunk_loss import is_head_gradient
 from .plan import Plan
-from .planner import Vetoed, remembering, vetoing
+from .compile_scope import Vetoed, remembering, vetoing
 
 __all__ = [
     "track",

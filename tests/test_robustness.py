@@ -965,7 +965,7 @@ def test_partitioner_uuid_covers_plan_options():
     assert uuid(budget=a) != uuid()
     assert uuid(budget=a) != uuid(budget=a, solver="mincut")
     # Not on_infeasible: a plan made under "error" fits, so "min" makes the same one, and a refused
-    # budget raises in the partitioner before Inductor's caches are asked (planner.remembering needs it).
+    # budget raises in the partitioner before Inductor's caches are asked (compile_scope.remembering needs it).
     assert uuid(budget=a) == uuid(budget=a, on_infeasible="min")
     assert uuid(budget=a) != uuid(budget=a, hardware="h100")
     assert uuid(budget=a, dump_dir="/tmp/x") == uuid(budget=a)  # where plans are saved does not change them

@@ -1,0 +1,75 @@
+"""What the plans of one compile share: choices remembered, and plans set aside before code generation.
+
+Compiling one graph can plan it several times: the budget refused, then the least-memory
+plan (``on_infeasible="min"``); the loss whole, then in chunks (``chunking.py``); a step's
+re-plan, then the plan of steps with ``.grad`` allocated (``steps.py``). Two tools keep
+that from costing searches and code generation nobody uses:
+
+- ``remembering``: inside the block, the planner reuses the choice it made for the same
+  graph and options (``planner.choose``); the search is deterministic, so the choice is the
+  one it would make again.
+- ``vetoing(test)``: inside the block, a plan ``test`` refuses raises ``Vetoed`` from the
+  partitioner, before Inductor generates any code for it (``planner.partition`` calls ``veto``).
+
+Example:
+    >>> with remembering(), vetoing(lambda plan: plan.recompute_seconds > limit):
+    ...     compiled = compile_graph(gm, example_inputs)  # raises Vetoed(plan, test) when slower
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+__all__ = ["remembering", "remembered", "vetoing", "veto", "Vetoed"]
+
+_REMEMBERED: list[dict[str, dict]] = []
+_VETOES: list[Callable] = []
+
+
+@contextlib.contextmanager
+def remembering():
+    """Inside the block, a graph planned again with the same options (whatever ``on_infeasible``)
+    reuses the choice made for it in the block. Nested blocks share the outermost one's choices;
+    leaving it forgets them."""
+    outermost = not _REMEMBERED
+    if outermost:
+        _REMEMBERED.append({})
+    try:
+        yield
+    finally:
+        if outermost:
+            _REMEMBERED.pop()
+
+
+def remembered() -> dict[str, dict] | None:
+    """The choices of the enclosing ``remembering`` block by key (``planner.choose`` fills it), or None."""
+    return _REMEMBERED[-1] if _REMEMBERED else None
+
+
+class Vetoed(Exception):
+    """Raised by the partitioner inside ``vetoing`` when a test refused its plan: compiling stopped
+    before any code was generated for it. ``plan`` is the refused plan (not recorded), ``test`` the
+    test that refused it (a block catches only its own)."""
+
+    def __init__(self, plan, test) -> None:
+        super().__init__(f"fxremat {plan.graph}: plan set aside before code generation")
+        self.plan, self.test = plan, test
+
+
+@contextlib.contextmanager
+def vetoing(test: Callable):
+    """Inside the block, a plan for which ``test(plan)`` is true raises ``Vetoed`` before code
+    generation. Blocks nest; the innermost test is asked first."""
+    _VETOES.append(test)
+    try:
+        yield
+    finally:
+        _VETOES.remove(test)
+
+
+def veto(plan) -> None:
+    """Raise ``Vetoed`` when a test of an enclosing ``vetoing`` block refuses ``plan``."""
+    for test in reversed(_VETOES):
+        if test(plan):
+            raise Vetoed(plan, test)
