@@ -335,7 +335,12 @@ def _for_grads(analysis: Analysis, options: Options) -> Analysis:
     handed = {ids.get(outs[analysis.num_fwd_outputs + k]) for k in analysis.param_outputs}
     problem = analysis.graph.problem
     kept = tuple(v for v in problem.bw_outputs if v not in handed)
-    return replace(analysis, graph=replace(analysis.graph, problem=replace(problem, bw_outputs=kept)))
+    # Still computed (the hand-over op consumes them), only not alive to the step's end: dropped from
+    # the programs' outputs alone, the solvers' model skipped the weight gradients and the activations
+    # they read (HF Llama, vocabulary 2k: a plan modelled at 10.4 MiB ran at 81.1).
+    gone = tuple(v for v in sorted(set(problem.bw_outputs) - set(kept)) if not problem.is_forward(v))
+    problem = replace(problem, bw_outputs=kept, handed=gone)
+    return replace(analysis, graph=replace(analysis.graph, problem=problem))
 
 
 def _handed_backward(analysis: Analysis, backward: fx.GraphModule, options: Options) -> fx.GraphModule | None:

@@ -191,7 +191,7 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     forward = sorted(ancestors(problem, list(problem.fw_outputs) + list(kept), fw_nodes))
     tangents = list(problem.tangents)
     bw_or_recomputed = {v for v in range(problem.size) if v not in fw_nodes}.union(recomputed)
-    needed = ancestors(problem, problem.bw_outputs, bw_or_recomputed) - set(tangents)
+    needed = ancestors(problem, problem.bw_outputs + problem.handed, bw_or_recomputed) - set(tangents)
     tangent_set = set(tangents)
     readers = [v for v in sorted(needed) if any(u in tangent_set for u in problem.inputs[v])]
     done: set[int] = set(tangents)

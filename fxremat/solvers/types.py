@@ -60,6 +60,10 @@ class RematProblem:
         copies: earlier calls of the same graph in the step, each holding its
             kept set while this call runs (a graph reused for every layer):
             every plan's peak counts its kept bytes ``copies`` more times.
+        handed: backward ids computed and handed off as soon as they are made
+            (parameters' gradients added into an existing ``.grad``): they
+            run like returned gradients, but live only to their last use,
+            not to the step's end.
     """
 
     names: tuple[str, ...]
@@ -81,6 +85,7 @@ class RematProblem:
     outputs_released: bool = False
     inplace: tuple[tuple[int, int], ...] = ()
     copies: int = 0
+    handed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -99,6 +104,9 @@ class RematProblem:
             for u in ins:
                 if not 0 <= u < v:
                     raise ValueError(f"node {v} ({self.names[v]}) reads {u}: inputs must precede their users")
+        for v in self.handed:
+            if not 0 <= v < n or self.phase[v] != BACKWARD:
+                raise ValueError(f"handed id {v} must be a backward node")
         for v in self.fused:
             if not 0 <= v < n or self.storage[v] != v:
                 raise ValueError(f"fused id {v} must be a node that owns its storage")
