@@ -129,8 +129,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
         """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""
-        with remembering():
-            return compile_choosing_chunks(gm, example_inputs, options, compile_watched)
+        return compile_choosing_chunks(gm, example_inputs, options, compile_watched)
 
     def compile_watched(gm: fx.GraphModule, example_inputs, options: Options, notes: tuple[ChunkNote, ...]):
         with watch() as planned, noting(notes):

@@ -45,7 +45,7 @@ from .passes.chunk_loss import (
     reattach_head_grads,
 )
 from .plan import Plan
-from .compile_scope import Vetoed, vetoing
+from .compile_scope import vetoing
 
 __all__ = ["compile_choosing_chunks", "LOGITS_MIN_SHARE"]
 
@@ -103,29 +103,8 @@ def compile_choosing_chunks(
         return not (plan.feasible and (plan.recompute_seconds <= extra or logits < LOGITS_MIN_SHARE * budget))
 
     try:
-        with vetoing(chunk_instead):
-            compiled, plan = _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
-    except Vetoed as vetoed:
-        if vetoed.test is not chunk_instead:
-            raise  # an enclosing block's
-        whole = vetoed.plan
-
-        def worse(chunked_plan: Plan) -> bool:
-            return not _better(chunked_plan, extra, whole)
-
-        try:
-            # Compiled only when it beats the whole plan: else set aside before code generation too.
-            with vetoing(worse):
-                return _compile_sites(
-                    copy_dynamo_graph(source), example_inputs, options, sites, compile_one, None, whole.predicted_peak
-                )
-        except Vetoed as set_aside:
-            if set_aside.test is not worse:
-                raise
-        except BudgetError:
-            pass  # chunking raised the least peak above a budget the whole loss fits
-        # The loss whole after all: its plan is remembered (compile_scope.remembering), not searched again.
-        return _compile_sites(source, example_inputs, options, sites, compile_one, 1, None)
+        with vetoing(chunk_instead) as whole:
+            return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
     except BudgetError as exc:
         log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))
         try:
@@ -140,7 +119,23 @@ def compile_choosing_chunks(
                 why += f"{format_bytes(chunked_exc.least_peak)}."
             least = min(chunked_exc.least_peak, exc.least_peak)
             raise BudgetError(chunked_exc.budget, least, where=chunked_exc.where, why=why).explained(exc.why) from None
-    return compiled, plan  # fits whole, or nothing to plan: chunking would only cost time
+    # Set aside: the whole loss fits only by recomputing more than chunking adds.
+    assert whole.plan is not None
+    whole_plan = whole.plan
+
+    def worse(chunked_plan: Plan) -> bool:
+        return not _better(chunked_plan, extra, whole_plan)
+
+    try:
+        # Compiled only when it beats the whole plan: else set aside before code generation too.
+        with vetoing(worse):
+            return _compile_sites(
+                copy_dynamo_graph(source), example_inputs, options, sites, compile_one, None, whole_plan.predicted_peak
+            )
+    except BudgetError:
+        pass  # chunking raised the least peak above a budget the whole loss fits
+    # The loss whole after all: its plan is remembered (compile_scope.remembering), not searched again.
+    return _compile_sites(source, example_inputs, options, sites, compile_one, 1, None)
 
 
 def _better(chunked: Plan, extra: float, whole: Plan) -> bool:

@@ -9,19 +9,26 @@ that from costing searches and code generation nobody uses:
   graph and options (``planner.choose``); the search is deterministic, so the choice is the
   one it would make again.
 - ``vetoing(test)``: inside the block, a plan ``test`` refuses raises ``Vetoed`` from the
-  partitioner, before Inductor generates any code for it (``planner.partition`` calls ``veto``).
+  partitioner, before Inductor generates any code for it (``planner.partition`` calls ``veto``);
+  the block catches it and keeps the plan.
 
 Example:
-    >>> with remembering(), vetoing(lambda plan: plan.recompute_seconds > limit):
-    ...     compiled = compile_graph(gm, example_inputs)  # raises Vetoed(plan, test) when slower
+    >>> with remembering(), vetoing(lambda plan: plan.recompute_seconds > limit) as slower:
+    ...     compiled = compile_graph(gm, example_inputs)
+    >>> slower.plan  # the plan set aside (nothing compiled for it), or None
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-__all__ = ["remembering", "remembered", "vetoing", "veto", "Vetoed"]
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["remembering", "remembered", "vetoing", "veto", "Vetoed", "SetAside"]
 
 _REMEMBERED: list[dict[str, dict]] = []
 _VETOES: list[Callable] = []
@@ -57,13 +64,26 @@ class Vetoed(Exception):
         self.plan, self.test = plan, test
 
 
+@dataclass
+class SetAside:
+    """What a ``vetoing`` block yields: after it, the plan its test set aside, or None."""
+
+    plan: "Plan | None" = None
+
+
 @contextlib.contextmanager
-def vetoing(test: Callable):
-    """Inside the block, a plan for which ``test(plan)`` is true raises ``Vetoed`` before code
-    generation. Blocks nest; the innermost test is asked first."""
+def vetoing(test: Callable) -> Iterator[SetAside]:
+    """Inside the block, a plan for which ``test(plan)`` is true stops the compile before code
+    generation; the block ends there and its ``SetAside`` holds the plan. Blocks nest: the
+    innermost test is asked first, and a block lets another block's ``Vetoed`` through."""
+    set_aside = SetAside()
     _VETOES.append(test)
     try:
-        yield
+        yield set_aside
+    except Vetoed as vetoed:
+        if vetoed.test is not test:
+            raise
+        set_aside.plan = vetoed.plan
     finally:
         _VETOES.remove(test)
 
