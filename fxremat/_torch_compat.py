@@ -136,8 +136,9 @@ def no_autograd_cache():
 
 
 # Inductor's and AOTAutograd's settings change the programs a plan is judged on (private config modules).
-def compiler_config_digest() -> str:
-    """A hash of Inductor's and AOTAutograd's current settings (for the plan cache's key)."""
+def compiler_config_digest(ignoring: tuple[str, ...] = ()) -> str:
+    """A hash of Inductor's and AOTAutograd's current settings (for the plan cache's key); ``ignoring``:
+    Inductor settings left out (the partitioner, for a program already partitioned)."""
     import hashlib
     import json
 
@@ -150,7 +151,8 @@ def compiler_config_digest() -> str:
         # An object's default repr holds its address, new in every process: its class stands for it.
         return type(value).__qualname__ if " at 0x" in text else text
 
-    settings = {"inductor": inductor_config.save_config_portable(), "aot": functorch_config.save_config_portable()}
+    inductor = {k: v for k, v in inductor_config.save_config_portable().items() if k not in ignoring}
+    settings = {"inductor": inductor, "aot": functorch_config.save_config_portable()}
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=plain).encode()).hexdigest()
 
 

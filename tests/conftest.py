@@ -8,4 +8,16 @@ turns it on in its own folder. Child processes inherit the setting.
 
 import os
 
+import pytest
+
 os.environ["FXREMAT_PLAN_CACHE"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _programs_lowered_afresh():
+    """Each test lowers its own programs (``inductor_memory.program_events`` keeps them per process):
+    tests count lowerings, replace the lowering, or compare it with another."""
+    from fxremat.passes.inductor_memory import forget_programs
+
+    forget_programs()
+    yield

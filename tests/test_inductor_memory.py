@@ -266,3 +266,45 @@ def test_depthwise_convs_fed_contiguous_by_inductor_are_predicted():
     m = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
     plan = fxremat.running_plans()[-1]
     assert abs(m.peak_bytes - plan.predicted_peak) <= 0.01 * m.peak_bytes, (m.peak_bytes, plan.predicted_peak)
+
+
+def _pointwise_graph(shape, channels_last: bool = False):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(*shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return make_fx(lambda a: (a.sin() * 2).cos(), tracing_mode="fake")(x)
+
+
+def test_a_program_is_lowered_once_per_process(monkeypatch):
+    """A compile asks for the same program many times (a refused budget and the least plan, the plan
+    for the outputs dropped, the one for steps with .grad): Inductor lowers each once."""
+    real = inductor_memory.inductor_program_events
+    lowered: list[object] = []
+
+    def counting(gm, **kw):
+        lowered.append(gm)
+        return real(gm, **kw)
+
+    monkeypatch.setattr(inductor_memory, "inductor_program_events", counting)
+    graph = _pointwise_graph((2, 3, 8, 8))
+    first = inductor_memory.program_events(graph, is_backward=False)
+    again = inductor_memory.program_events(copy.deepcopy(graph), is_backward=False)
+    assert again == first and len(lowered) == 1
+    # Each compile has a partitioner of its own; it made the graph and the lowering does not call it.
+    from fxremat.backend import FxrematPartitioner
+
+    with torch._inductor.config.patch(custom_partitioner_fn=FxrematPartitioner(fxremat.Options(budget=1))):
+        inductor_memory.program_events(copy.deepcopy(graph), is_backward=False)
+    assert len(lowered) == 1
+    # Anything Inductor's program depends on makes another program.
+    inductor_memory.program_events(graph, is_backward=True, donated=[0])
+    inductor_memory.program_events(_pointwise_graph((2, 3, 8, 9)), is_backward=False)
+    inductor_memory.program_events(_pointwise_graph((2, 3, 8, 8), channels_last=True), is_backward=False)
+    with torch._inductor.config.patch(max_fusion_size=7):
+        inductor_memory.program_events(graph, is_backward=False)
+    assert len(lowered) == 5
+    inductor_memory.forget_programs()
+    inductor_memory.program_events(graph, is_backward=False)
+    assert len(lowered) == 6

@@ -18,22 +18,40 @@ compiled) and replays its allocations and frees:
 
 Measured op workspace (``passes/scratch.py``) is added while the kernel that
 needs it runs.
+
+A dry lowering costs 1-3 s on a transformer of four layers, and one compile asks
+for the same program many times: a refused budget and the least plan it runs, the
+plan for the outputs dropped after the first step, the one for steps with
+``.grad`` allocated and the backward that hands gradients over share most of their
+forwards and some backwards. ``program_events`` keeps the events of the last
+``PROGRAMS_KEPT`` programs lowered in the process, by a fingerprint of the graph
+(its code, every value's shape, strides and dtype, which inputs share storage,
+the donated inputs and Inductor's settings).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._torch_compat import inductor_program_events
+from .._torch_compat import compiler_config_digest, inductor_program_events
 from .invariants import outputs_of, storage_of
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
 
-__all__ = ["InductorStep", "predict_step", "replay"]
+__all__ = ["InductorStep", "predict_step", "program_events", "forget_programs", "replay", "PROGRAMS_KEPT"]
+
+# Programs whose events are kept (``program_events``): a compile of a four-layer
+# transformer asks for 20-30, most of them more than once; each is a few thousand
+# small tuples (under 1 MB).
+PROGRAMS_KEPT = 64
+_PROGRAMS: "OrderedDict[str, list[tuple]]" = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -145,7 +163,7 @@ def predict_step(
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
     caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
     if forward_peak is None:
-        fw_events = inductor_program_events(fw, is_backward=False)
+        fw_events = program_events(fw, is_backward=False)
         held: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
         forward_peak, _ = replay(fw_events, held, 0, scratch, scratch_at)
 
@@ -164,7 +182,7 @@ def predict_step(
         and (s := _storage(by_name[ph.name])) is not None
         and s[0] not in shared
     ]
-    bw_events = inductor_program_events(bw, is_backward=True, donated=donated)
+    bw_events = program_events(bw, is_backward=True, donated=donated)
     # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
     seeds = seed_gradient_bytes(bw)
     steps = {}
@@ -201,3 +219,60 @@ def _backward_inputs(bw: fx.GraphModule, by_name: dict, caller: set, pinned: dic
         held[key] = nbytes
         inputs[ph.name] = (key, nbytes, key not in pinned)
     return inputs, sum(held.values()) + seeds
+
+
+# ------------------------------------------------------------ programs lowered once
+
+
+def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] | None = None) -> list[tuple]:
+    """``inductor_program_events`` of ``gm``, lowered once per process for the same program.
+
+    Graphs with symbolic sizes are lowered every time (their fingerprint would need the
+    shape environment's hints).
+    """
+    key = _fingerprint(gm, is_backward, donated)
+    if key is None:
+        return inductor_program_events(gm, is_backward=is_backward, donated=donated)
+    events = _PROGRAMS.get(key)
+    if events is None:
+        events = inductor_program_events(gm, is_backward=is_backward, donated=donated)
+        _PROGRAMS[key] = events
+        while len(_PROGRAMS) > PROGRAMS_KEPT:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return events
+
+
+def forget_programs() -> None:
+    """Drop the programs ``program_events`` kept (tests that count or replace lowerings)."""
+    _PROGRAMS.clear()
+
+
+def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | None) -> str | None:
+    """What Inductor's program for ``gm`` depends on, hashed; None when a size is symbolic."""
+    digest = hashlib.sha256()
+    # The partitioner made ``gm``: the lowering does not call it (each compile has its own).
+    settings = compiler_config_digest(ignoring=("custom_partitioner_fn",))
+    digest.update(f"{is_backward} {sorted(donated or [])} {settings}\n".encode())
+    digest.update(gm.graph.python_code("self").src.encode())
+    first_of: dict[object, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            val = getattr(gm, str(node.target), None)
+        for t in val if isinstance(val, (tuple, list)) else (val,):
+            if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return None
+            if not isinstance(t, torch.Tensor):
+                digest.update(repr(t).encode() if node.op == "placeholder" else b"-")
+                continue
+            strided = t.layout == torch.strided
+            sizes = (*t.shape, *(t.stride() if strided else ()), t.storage_offset() if strided else 0)
+            if not all(isinstance(x, int) for x in sizes):
+                return None
+            shared = -1
+            if node.op == "placeholder" and (key := storage_of(node)) is not None:
+                shared = first_of.setdefault(key, i)
+            digest.update(f"{node.name} {sizes} {t.dtype} {t.device} {shared}\n".encode())
+    return digest.hexdigest()
