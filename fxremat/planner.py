@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -30,6 +30,7 @@ import torch.fx as fx
 from ._torch_compat import classify_nodes, default_partition, prepare_joint
 from .budget import BudgetError, format_bytes
 from .options import Options
+from .plan import Plan
 from .passes.apply import apply_decision
 from .passes.calibrate import calibrate_costs
 from .hardware import get_hardware
@@ -214,19 +215,25 @@ def partition(
     name = new_graph_name()
     analysis = analyse(joint, info, options, num_fwd_outputs, recomputes_rng)
     analysis = _for_grads(replace(analysis, param_outputs=tuple(sorted(static_lifetime_input_indices or ()))), options)
-    choice = choose(analysis, options, name, reference)
+
+    def planned(choice: Choice) -> Plan:
+        return build_plan(
+            name,
+            analysis,
+            choice,
+            options,
+            total_seconds=time.perf_counter() - started,
+            released_peak=released_peak(analysis, choice.lowered, options),
+            accumulating=choice.accumulating,
+        )
+
+    # Inside compile_scope.vetoing: set aside before any code is generated for it, and before what
+    # only its report needs is lowered.
+    choice = choose(analysis, options, name, reference, check=lambda draft: veto(planned(draft)))
     if sync_ranks:
         choice = follow_rank0(analysis, choice, options, name)
-    plan = build_plan(
-        name,
-        analysis,
-        choice,
-        options,
-        total_seconds=time.perf_counter() - started,
-        released_peak=released_peak(analysis, choice.lowered, options),
-        accumulating=choice.accumulating,
-    )
-    veto(plan)  # inside compile_scope.vetoing: set aside before any code is generated for it
+    plan = planned(choice)
+    veto(plan)  # rank 0's plan, when this rank follows it
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -577,12 +584,22 @@ def _no_budget(
     return Choice(lowered, fastest, True, note, time.perf_counter() - started, judge(fastest).peak)
 
 
-def choose(analysis: Analysis, options: Options, name: str, reference: Reference | None = None) -> Choice:
+def choose(
+    analysis: Analysis,
+    options: Options,
+    name: str,
+    reference: Reference | None = None,
+    check: Callable[[Choice], None] | None = None,
+) -> Choice:
     """Solve, lower and judge until the programs fit close under the budget; else the least-memory plan.
 
     Every candidate is judged by ``lower`` (the programs that will run), never by
     the solver's own estimate, and the search is bounded by rounds, not time: the
     same graph and options give the same plan under any load.
+
+    ``check``: called with the choice before what only its report needs is lowered (the
+    fastest plan's peak where the search did not judge it, the step with ``.grad``
+    allocated); it raises to drop the choice (``compile_scope.veto``).
     """
     started = time.perf_counter()
     problem = analysis.graph.problem
@@ -603,15 +620,29 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
     memo = remembered()
     # Under either on_infeasible: a refusal remembered is the least plan "min" runs, and the other way round.
     memo_key = None if memo is None else _cache_key(analysis, replace(options, on_infeasible="error"))
+
+    def completed(choice: Choice) -> Choice:
+        """``choice`` checked, then with what its report needs judged."""
+        choice = _settled(choice, options, name)
+        if check is not None:
+            check(choice)
+        t = time.perf_counter()
+        if choice.fastest_peak == UNKNOWN:
+            choice = replace(choice, fastest_peak=judge(fastest).peak)
+        if choice.accumulating == PENDING:
+            choice = replace(choice, accumulating=accumulating_peaks(analysis, choice.lowered, options))
+        lowering[0] += time.perf_counter() - t
+        return choice
+
     if memo is not None and memo_key in memo:
-        again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED, judge)
+        again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED)
         if again is not None:
-            return _settled(again, options, name)
+            return completed(again)
     key = _cache_key(analysis, options) if plan_cache.enabled() else None
     if key is not None:
-        cached = _from_cache(key, analysis, options, name, fastest, started, judge)
+        cached = _from_cache(key, analysis, options, name, fastest, started)
         if cached is not None:
-            return _settled(cached, options, name)
+            return completed(cached)
     choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
     if not choice.fits and options.on_infeasible == "error":
         if memo is not None and memo_key is not None and choice.lowered.source != "simulation+allowance":
@@ -619,16 +650,18 @@ def choose(analysis: Analysis, options: Options, name: str, reference: Reference
         if key is not None:
             plan_cache.store(key, {"refused": choice.lowered.peak + options.reserve, "why": ""})
         return _settled(choice, options, name)
-    t = time.perf_counter()
-    accumulating = accumulating_peaks(analysis, choice.lowered, options)
-    lowering[0] += time.perf_counter() - t
-    choice = replace(choice, lower_seconds=lowering[0], accumulating=accumulating)
-    if choice.lowered.source != "simulation+allowance":
-        if key is not None:
-            plan_cache.store(key, _cache_entry(analysis, choice))
-        if memo is not None and memo_key is not None:
-            memo[memo_key] = _cache_entry(analysis, choice)
-    return _settled(choice, options, name)
+
+    def remember(choice: Choice, extra: dict) -> None:
+        if choice.lowered.source != "simulation+allowance":
+            if key is not None:
+                plan_cache.store(key, {**_cache_entry(analysis, choice), **extra})
+            if memo is not None and memo_key is not None:
+                memo[memo_key] = {**_cache_entry(analysis, choice), **extra}
+
+    remember(choice, {"accumulating_unknown": True})  # also when ``check`` sets it aside
+    choice = replace(completed(replace(choice, accumulating=PENDING)), lower_seconds=lowering[0])
+    remember(choice, {})
+    return choice
 
 
 def _settled(choice: Choice, options: Options, name: str) -> Choice:
@@ -651,6 +684,8 @@ def _settled(choice: Choice, options: Options, name: str) -> Choice:
 
 # Sentinel for a peak a refused plan was not judged at (``Choice.fastest_peak``): judged when reused.
 UNKNOWN = -1
+# Sentinel for ``Choice.accumulating`` not judged yet: judged once the choice is checked (``choose``).
+PENDING = (UNKNOWN, UNKNOWN)
 REMEMBERED = "planned earlier in this compile"
 
 
@@ -692,7 +727,7 @@ def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
 
 
 def _from_cache(
-    key: str, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float, judge
+    key: str, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float
 ) -> Choice | None:
     """The Choice an earlier run made for this graph and options, or None (no usable entry)."""
     entry = plan_cache.load(key)
@@ -702,18 +737,18 @@ def _from_cache(
         assert options.budget is not None
         log.info("fxremat %s: budget refused in an earlier run (plan cache %s)", name, key[:12])
         raise BudgetError(options.budget, int(entry["refused"]), where=name, why=str(entry.get("why", "")))
-    choice = _from_entry(entry, analysis, options, name, fastest, started, FROM_CACHE, judge)
+    choice = _from_entry(entry, analysis, options, name, fastest, started, FROM_CACHE)
     if choice is not None:
         log.info("fxremat %s: %s %s", name, FROM_CACHE, key[:12])
     return choice
 
 
 def _from_entry(
-    entry: dict, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float, how: str, judge
+    entry: dict, analysis: Analysis, options: Options, name: str, fastest: Decision, started: float, how: str
 ) -> Choice | None:
     """The Choice ``entry`` (``_cache_entry``) describes, noted ``how`` it was found, or None when the
     entry was made for another problem. What a refusal did not judge (the fastest plan, steps with
-    ``.grad`` allocated) is judged now."""
+    ``.grad`` allocated) is ``UNKNOWN`` and ``PENDING``: ``choose`` judges it once the choice is checked."""
     index = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
     try:
         kept = sorted(index[k] for k in entry["kept"])
@@ -731,10 +766,8 @@ def _from_entry(
         log.info("fxremat %s: ignoring a malformed plan entry (%s; %s)", name, how, e)
         return None
     lowered = lower(analysis, d, options, known)
-    if fastest_peak == UNKNOWN:
-        fastest_peak = judge(fastest).peak
     if accumulating is None and entry.get("accumulating_unknown"):
-        accumulating = accumulating_peaks(analysis, lowered, options)
+        accumulating = PENDING
     note = "; ".join(filter(None, [note, how]))
     return Choice(lowered, fastest, fits, note, time.perf_counter() - started, fastest_peak, accumulating=accumulating)
 

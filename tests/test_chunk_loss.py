@@ -416,3 +416,28 @@ def test_a_refused_budget_then_the_least_plan_is_one_search(monkeypatch, inner):
     # The least-peak search (budget 1) and per-layer checkpointing's plan, once each: the plan for
     # on_infeasible="min" reuses what refusing the budget found.
     assert searches.count("per_layer") == 1
+
+
+def test_a_plan_set_aside_is_not_judged_for_its_report(monkeypatch):
+    # Budget out of reach, chunk_loss="auto": the whole loss's least plan (remembered from the refusal)
+    # is set aside for the chunked one. What only a report needs (the fastest plan's peak, the step
+    # with .grad allocated) is judged for the plan that runs alone.
+    from fxremat import planner
+
+    judged = []
+    real = planner.accumulating_peaks
+    monkeypatch.setattr(
+        planner, "accumulating_peaks", lambda a, lowered, o: judged.append(lowered) or real(a, lowered, o)
+    )
+    x, y = _data()
+    torch.manual_seed(0)
+    ref_model = WideLM()
+    model, ref = _twin(ref_model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, loss = _step(model, x, y, budget=1, on_infeasible="min")
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    assert plan.chunked and not plan.feasible
+    assert [lowered.peak for lowered in judged] == [plan.predicted_peak]
+    assert plan.fastest_peak >= plan.predicted_peak > 0

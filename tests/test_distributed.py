@@ -92,8 +92,9 @@ def _disagree(rank: int):
         return nullcontext()
     original = planner.choose
 
-    def inputs_only(analysis, options, name, reference=None):
-        return original(analysis, replace(options, solver="save_inputs", budget=None, time_slack=0.0), name, reference)
+    def inputs_only(analysis, options, name, reference=None, check=None):
+        planned = replace(options, solver="save_inputs", budget=None, time_slack=0.0)
+        return original(analysis, planned, name, reference, check)
 
     return mock.patch.object(planner, "choose", inputs_only)
 

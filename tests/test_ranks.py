@@ -87,8 +87,8 @@ def test_a_compiled_rank_adopts_rank_0s_plan(as_rank):
     x = torch.randn(128, 64)
     original = planner.choose
 
-    def inputs_only(analysis, options, name, reference=None):
-        return original(analysis, replace(options, solver="save_inputs"), name, reference)
+    def inputs_only(analysis, options, name, reference=None, check=None):
+        return original(analysis, replace(options, solver="save_inputs"), name, reference, check)
 
     def run(rank: int, choose):
         as_rank(rank)
