@@ -305,6 +305,20 @@ def test_a_program_is_lowered_once_per_process(monkeypatch):
     with torch._inductor.config.patch(max_fusion_size=7):
         inductor_memory.program_events(graph, is_backward=False)
     assert len(lowered) == 5
+    for shift in ([1.0, 2.0], [3.0, 4.0], [3.0, 4.0]):  # a small constant, which Inductor may fold
+        inductor_memory.program_events(_shifted_graph(shift), is_backward=False)
+    assert len(lowered) == 7
     inductor_memory.forget_programs()
     inductor_memory.program_events(graph, is_backward=False)
-    assert len(lowered) == 6
+    assert len(lowered) == 8
+
+
+def _shifted_graph(shift: list[float]):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a):
+        return (a + torch.tensor(shift)).sin()
+
+    graph = make_fx(f, tracing_mode="fake")(torch.randn(4, 2))
+    assert any(n.op == "get_attr" for n in graph.graph.nodes)
+    return graph

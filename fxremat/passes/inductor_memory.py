@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._torch_compat import compiler_config_digest, inductor_program_events
+from .._torch_compat import FakeTensor, compiler_config_digest, inductor_program_events
 from .invariants import outputs_of, storage_of
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
@@ -52,6 +52,8 @@ __all__ = ["InductorStep", "predict_step", "program_events", "forget_programs", 
 # small tuples (under 1 MB).
 PROGRAMS_KEPT = 64
 _PROGRAMS: "OrderedDict[str, list[tuple]]" = OrderedDict()
+# Graph constants up to this many elements are fingerprinted by value (Inductor folds small ones).
+SMALL_CONSTANT = 16
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,10 @@ def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | Non
     settings = compiler_config_digest(ignoring=("custom_partitioner_fn",))
     digest.update(f"{is_backward} {sorted(donated or [])} {settings}\n".encode())
     digest.update(gm.graph.python_code("self").src.encode())
+    # Subgraphs of higher-order ops (flex attention's score functions, wrapped regions) are attributes.
+    for path, module in gm.named_modules():
+        if module is not gm and isinstance(module, fx.GraphModule):
+            digest.update(f"{path}\n{module.graph.python_code('self').src}".encode())
     first_of: dict[object, int] = {}
     for i, node in enumerate(gm.graph.nodes):
         val = node.meta.get("val")
@@ -275,4 +281,6 @@ def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | Non
             if node.op == "placeholder" and (key := storage_of(node)) is not None:
                 shared = first_of.setdefault(key, i)
             digest.update(f"{node.name} {sizes} {t.dtype} {t.device} {shared}\n".encode())
+            if node.op == "get_attr" and t.numel() <= SMALL_CONSTANT and not isinstance(t, FakeTensor):
+                digest.update(repr(t.tolist()).encode())  # a small constant Inductor may fold
     return digest.hexdigest()
