@@ -632,7 +632,7 @@ def choose(
         if choice.accumulating == PENDING:
             choice = replace(choice, accumulating=accumulating_peaks(analysis, choice.lowered, options))
         lowering[0] += time.perf_counter() - t
-        return choice
+        return replace(choice, solve_seconds=time.perf_counter() - started)  # ``lower_seconds`` is part of it
 
     if memo is not None and memo_key in memo:
         again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED)

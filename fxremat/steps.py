@@ -290,6 +290,17 @@ class TrackedGraph:
             stacklevel=2,
         )
 
+    def _grads_first(self, args) -> bool:
+        """Whether a re-plan at this call is for steps adding into ``.grad`` first (``__call__``)."""
+        options = self.options
+        return (
+            options.budget is not None
+            and options.grads_allocated is None
+            and options.hand_over_grads
+            and not self.accumulating_refused
+            and _grads_exist(args)
+        )
+
     def _compile(self, args, options: Options) -> None:
         """Plan and compile the graph again under ``options`` (the running step's state decided them)."""
         assert self.source is not None
@@ -304,12 +315,12 @@ class TrackedGraph:
         if self.plan is not None:
             _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
 
-    def _compile_for_grads(self, args) -> None:
+    def _compile_for_grads(self, args, first: Plan | None = None) -> None:
         """Plan and compile the program of steps whose parameters' ``.grad`` exist; ``BudgetError`` when
         none fits the budget, or, with the budget out of reach (``on_infeasible="min"``), when their least
-        plan peaks no lower on them than the first plan does."""
+        plan peaks no lower on them than ``first`` (default: the plan for steps making new ``.grad``) does."""
         options = dataclasses.replace(self.options, grads_allocated=True, on_infeasible="error")
-        first = self.variants.get(False, (None, None))[1]
+        first = first or self.variants.get(False, (None, None))[1]
         if first is None or first.feasible or self.options.on_infeasible != "min":
             self._compile(args, options)
             return
@@ -326,8 +337,9 @@ class TrackedGraph:
         assert set_aside.plan is not None
         raise BudgetError(options.budget or 1, set_aside.plan.predicted_peak, why="no lower than the first plan")
 
-    def _run_for(self, grads: bool, args) -> None:
-        """Make the running program the one planned for steps with (``grads``) or without ``.grad``."""
+    def _run_for(self, grads: bool, args, first: Plan | None = None) -> None:
+        """Make the running program the one planned for steps with (``grads``) or without ``.grad``
+        (``first``: see ``_compile_for_grads``)."""
         if grads == self.for_grads:
             return
         if self.for_grads is not None and self.compiled is not None:
@@ -344,7 +356,7 @@ class TrackedGraph:
             return
         if grads and self.options.grads_allocated is None:
             try:
-                self._compile_for_grads(args)
+                self._compile_for_grads(args, first)
             except BudgetError as exc:
                 # The plan for steps making new .grad fits these steps too: it runs for both.
                 self.accumulates = False
@@ -364,13 +376,22 @@ class TrackedGraph:
         self.options = options
 
     def __call__(self, *args):
+        replaced = None
         if self.pending is not None and self.source is not None:
+            replaced = self.plan
             self.options, self.pending = self.pending, None
             self.variants.clear()
             self.for_grads = None
         if self.source is not None:
             with remembering():  # a refused plan then the least one: searched once
-                if self.accumulates:
+                if replaced is not None and self._grads_first(args):
+                    # Planned again at a call that finds .grad allocated (the first step made them and the
+                    # loop keeps them): plan for such steps first; one that makes new .grad later gets its
+                    # own plan then. Before, the plan for steps making .grad came first and these steps got
+                    # theirs a call later: one more plan and compile (HF Llama: 40 s).
+                    self.accumulates = True
+                    self._run_for(True, args, replaced)
+                elif self.accumulates:
                     self._run_for(_grads_exist(args), args)
                 elif self.for_grads is None:
                     self._run_for(self.options.grads_allocated is True, args)
