@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["remembering", "remembered", "vetoing", "veto", "Vetoed", "SetAside"]
+__all__ = ["remembering", "remembered", "vetoing", "veto", "vetoes_active", "Vetoed", "SetAside"]
 
 _REMEMBERED: list[dict[str, dict]] = []
 _VETOES: list[Callable] = []
@@ -93,3 +93,8 @@ def veto(plan) -> None:
     for test in reversed(_VETOES):
         if test(plan):
             raise Vetoed(plan, test)
+
+
+def vetoes_active() -> bool:
+    """Whether a ``vetoing`` block encloses the caller (``veto`` can refuse a plan)."""
+    return bool(_VETOES)

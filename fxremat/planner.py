@@ -45,7 +45,7 @@ from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import ScratchAt, measure_scratch
 from .passes.simulate import Simulation, simulate
 from . import plan_cache, ranks
-from .compile_scope import remembered, veto
+from .compile_scope import Vetoed, remembered, veto, vetoes_active
 from .grads import HAND_OVER_OP
 from .recorder import new_graph_name, record
 from .report import build_plan
@@ -227,13 +227,17 @@ def partition(
             accumulating=choice.accumulating,
         )
 
+    def checked(draft: Choice) -> None:
+        veto(planned(draft))
+
     # Inside compile_scope.vetoing: set aside before any code is generated for it, and before what
-    # only its report needs is lowered.
-    choice = choose(analysis, options, name, reference, check=lambda draft: veto(planned(draft)))
+    # only its report needs is lowered. Outside, nothing can set it aside: no draft plan is built.
+    choice = choose(analysis, options, name, reference, check=checked if vetoes_active() else None)
     if sync_ranks:
         choice = follow_rank0(analysis, choice, options, name)
     plan = planned(choice)
-    veto(plan)  # rank 0's plan, when this rank follows it
+    if sync_ranks:
+        veto(plan)  # rank 0's plan, when this rank follows it
     for seen in _WATCHERS:
         seen.append((analysis, choice, plan))
     record(plan, options)
@@ -632,7 +636,8 @@ def choose(
         if choice.accumulating == PENDING:
             choice = replace(choice, accumulating=accumulating_peaks(analysis, choice.lowered, options))
         lowering[0] += time.perf_counter() - t
-        return replace(choice, solve_seconds=time.perf_counter() - started)  # ``lower_seconds`` is part of it
+        # ``lower_seconds`` is part of ``solve_seconds``.
+        return replace(choice, solve_seconds=time.perf_counter() - started, lower_seconds=lowering[0])
 
     if memo is not None and memo_key in memo:
         again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED)
@@ -651,16 +656,20 @@ def choose(
             plan_cache.store(key, {"refused": choice.lowered.peak + options.reserve, "why": ""})
         return _settled(choice, options, name)
 
-    def remember(choice: Choice, extra: dict) -> None:
+    def remember(entry: dict) -> None:
         if choice.lowered.source != "simulation+allowance":
             if key is not None:
-                plan_cache.store(key, {**_cache_entry(analysis, choice), **extra})
+                plan_cache.store(key, entry)
             if memo is not None and memo_key is not None:
-                memo[memo_key] = {**_cache_entry(analysis, choice), **extra}
+                memo[memo_key] = entry
 
-    remember(choice, {"accumulating_unknown": True})  # also when ``check`` sets it aside
-    choice = replace(completed(replace(choice, accumulating=PENDING)), lower_seconds=lowering[0])
-    remember(choice, {})
+    unjudged = {**_cache_entry(analysis, choice), "accumulating_unknown": True}
+    try:
+        choice = completed(replace(choice, accumulating=PENDING))
+    except Vetoed:
+        remember(unjudged)  # set aside: reused if it runs after all, its report judged then
+        raise
+    remember(_cache_entry(analysis, choice))
     return choice
 
 
