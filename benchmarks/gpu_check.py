@@ -250,6 +250,13 @@ def row_main(strategy: str, budget: str, on_infeasible: str) -> None:
 
 
 # ---------------------------------------------------------------- the driver (--drive)
+def _text(out: str | bytes | None) -> str:
+    """A timed-out subprocess's partial output (bytes, even with text=True, on some Pythons)."""
+    if out is None:
+        return ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out
+
+
 class Driver:
     """Runs the rows one after the other, each in a fresh process, within the overall deadline."""
 
@@ -292,7 +299,9 @@ class Driver:
         log = os.path.join(work_dir(), f"row-{label.replace(' ', '_').replace('/', '_')}.log")
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:  # keep what the row printed: where did its time go
+            with open(log, "w") as f:
+                f.write(_text(e.stdout) + "\n--- stderr\n" + _text(e.stderr) + f"\n--- timeout after {timeout:.0f} s\n")
             return {"error": f"timeout after {timeout:.0f} s"}
         with open(log, "w") as f:
             f.write(p.stdout + "\n--- stderr\n" + p.stderr)
