@@ -88,7 +88,7 @@ def compile_choosing_chunks(
     if isinstance(options.chunk_loss, int):
         return _compile_sites(gm, example_inputs, options, sites, compile_one, options.chunk_loss, None)
     if options.chunk_loss == "on":
-        return _compile_sites(gm, example_inputs, options, sites, compile_one, None, None)
+        return _compile_chunked(gm, example_inputs, options, sites, compile_one, None)
     counts = [chunk_count(site) for site in sites]
     if options.budget is None or max(counts) < 2:
         return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
@@ -108,7 +108,7 @@ def compile_choosing_chunks(
     except BudgetError as exc:
         log.info("fxremat: no plan fits with the loss whole (least %s): chunking it", format_bytes(exc.least_peak))
         try:
-            return _compile_sites(source, example_inputs, options, sites, compile_one, None, exc.least_peak)
+            return _compile_chunked(source, example_inputs, options, sites, compile_one, exc.least_peak)
         except BudgetError as chunked_exc:
             # The least of the two: chunking can also raise the least peak (its own search on a larger graph).
             if chunked_exc.least_peak <= exc.least_peak:
@@ -129,8 +129,8 @@ def compile_choosing_chunks(
     try:
         # Compiled only when it beats the whole plan: else set aside before code generation too.
         with vetoing(worse):
-            return _compile_sites(
-                copy_dynamo_graph(source), example_inputs, options, sites, compile_one, None, whole_plan.predicted_peak
+            return _compile_chunked(
+                copy_dynamo_graph(source), example_inputs, options, sites, compile_one, whole_plan.predicted_peak
             )
     except BudgetError:
         pass  # chunking raised the least peak above a budget the whole loss fits
@@ -147,6 +147,39 @@ def _better(chunked: Plan, extra: float, whole: Plan) -> bool:
     return chunked.recompute_seconds + extra < whole.recompute_seconds
 
 
+def _compile_chunked(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    options: Options,
+    sites: list[LossSite],
+    compile_one: CompileOne,
+    unchunked_peak: int | None,
+) -> tuple[Callable, Plan | None]:
+    """Compile ``gm`` with its losses in as many chunks as the budget asks (``chunk_count``); when
+    that plan does not fit, in the most chunks "auto" cuts.
+
+    The plan at the budget's count that does not fit is set aside before code generation
+    (``on_infeasible="min"``) or refused (``BudgetError``); the most chunks then get their own
+    plan, which runs or raises.
+    """
+    budget = _budget(options)
+    if all(chunk_count(site, None, budget) == chunk_count(site) for site in sites):
+        return _compile_sites(gm, example_inputs, options, sites, compile_one, None, unchunked_peak)
+    source = copy_dynamo_graph(gm)
+    try:
+        with vetoing(lambda plan: not plan.feasible):
+            return _compile_sites(gm, example_inputs, options, sites, compile_one, None, unchunked_peak, budget)
+    except BudgetError:
+        pass
+    log.info("fxremat: no plan fits with %s: cutting it finer, %s", _sites(sites, budget), _sites(sites))
+    return _compile_sites(source, example_inputs, options, sites, compile_one, None, unchunked_peak)
+
+
+def _budget(options: Options) -> int | None:
+    """The bytes the chunk count is chosen for: the graph's budget, less what is reserved outside it."""
+    return None if options.budget is None else max(1, options.budget - options.reserve)
+
+
 def _compile_sites(
     gm: fx.GraphModule,
     example_inputs: list,
@@ -155,10 +188,12 @@ def _compile_sites(
     compile_one: CompileOne,
     chunks: int | None,
     unchunked_peak: int | None,
+    budget: int | None = None,
 ) -> tuple[Callable, Plan | None]:
-    """Compile ``gm`` with its losses in ``chunks`` (None: ``AUTO_CHUNKS``; 1: whole), returned logits
-    leaving the graph without a gradient path either way (``chunk_losses``)."""
-    counts = {site.loss.name: chunk_count(site, chunks) for site in sites}
+    """Compile ``gm`` with its losses in ``chunks`` (1: whole; None: ``chunk_count`` under ``budget``, the most
+    "auto" cuts without one), returned logits leaving the graph without a gradient path either way
+    (``chunk_losses``)."""
+    counts = {site.loss.name: chunk_count(site, chunks, budget) for site in sites}
     # The sites of this graph (a copy of the one they were found in): matched by node name.
     mine = find_loss_sites(gm)
     notes = tuple(note_for(site, counts[site.loss.name], unchunked_peak) for site in mine if counts[site.loss.name] > 1)
@@ -174,8 +209,8 @@ def _extra_seconds(sites: list[LossSite], options: Options) -> float:
     return flops / get_hardware(options.hardware).peak_flops
 
 
-def _sites(sites: list[LossSite]) -> str:
-    notes = (note_for(site, chunk_count(site)) for site in sites)
+def _sites(sites: list[LossSite], budget: int | None = None) -> str:
+    notes = (note_for(site, chunk_count(site, None, budget)) for site in sites)
     return ", ".join(f"{note.site} in {note.chunks} chunks" for note in notes)
 
 

@@ -269,6 +269,39 @@ def test_auto_chunks_when_no_plan_fits_whole_and_the_step_stays_under_the_budget
     assert measured.peak_bytes <= budget
 
 
+def test_the_chunk_count_is_the_fewest_the_budget_asks():
+    from fxremat.passes.chunk_loss import AUTO_CHUNKS, LossSite, chunk_count
+
+    site = LossSite(None, None, None, None, None, tokens=512, vocab=131072, logits_escape=False)  # type: ignore[arg-type]
+    mib = 1 << 20  # the fp32 logits: 256 MiB
+    assert chunk_count(site) == AUTO_CHUNKS == 16  # no budget: the most, 32 tokens each
+    assert chunk_count(site, budget=4096 * mib) == 2  # one chunk of 128 MiB is 1/32 of it
+    assert chunk_count(site, budget=1024 * mib) == 4
+    assert chunk_count(site, budget=300 * mib) == 16
+    assert chunk_count(site, budget=1) == 16
+    assert chunk_count(site, chunks=5, budget=1) == 5  # a number given is kept
+    short = LossSite(None, None, None, None, None, tokens=96, vocab=131072, logits_escape=False)  # type: ignore[arg-type]
+    assert chunk_count(short, budget=1) == 3  # never under 32 tokens a chunk
+
+
+@pytest.mark.parametrize("budget_mib, chunks", [(8, 2), (4, 8)])
+def test_a_loose_budget_gets_few_chunks_and_more_when_they_do_not_fit(monkeypatch, budget_mib, chunks):
+    from fxremat.passes import chunk_loss
+
+    # Least peaks of this LM: 12.0 MiB whole, 6.3 MiB in 2 chunks, 3.4 in 4, 2.0 in 8 (the most).
+    monkeypatch.setattr(chunk_loss, "CHUNK_SHARE", 1.0)  # 4 MiB of logits: 2 chunks under a 4 or 8 MiB budget
+    x, y = _data()
+    ref_model = LM()
+    model, ref = _twin(ref_model, x, y)
+    budget = budget_mib << 20
+    compiled, loss = _step(model, x, y, budget=budget)
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()  # a plan in 2 chunks that did not fit is set aside: not recorded
+    assert plan.chunked and f"{chunks} chunks of" in plan.chunked[0]
+    model.zero_grad(set_to_none=True)
+    assert fxremat.measure(lambda: compiled(x, y).backward()).peak_bytes <= budget
+
+
 def test_a_graph_auto_chunked_is_planned_again_chunked_without_planning_the_loss_whole(monkeypatch):
     from fxremat import planner
 
