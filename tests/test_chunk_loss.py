@@ -219,6 +219,34 @@ class WithLogits(LM):
         return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
 
 
+class ContiguousLogits(LM):
+    """OPT's head: ``logits = lm_head(h).contiguous()``, returned and read by the loss."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x)).contiguous()
+        labels = F.pad(y, (0, 1), value=-100)[..., 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, V).float(), labels.view(-1)), logits
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_logits_read_by_the_loss_and_returned_through_a_copy_are_chunked(inner):
+    # The copy of the head's output stays (the graph returns it) and came before the function, which
+    # sits where the loss was: "used before it has been defined" on HF OPT until it moved after it.
+    x, y = _data()
+    ref_model = ContiguousLogits()
+    model = copy.deepcopy(ref_model)
+    ref, ref_logits = ref_model(x, y)
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(model, backend="fxremat", options={"inner": inner, "chunk_loss": 2})
+    loss, logits = compiled(x, y)
+    torch.testing.assert_close(logits, ref_logits)
+    loss.backward()
+    compare(ref_model, ref, model, loss)
+    assert fxremat.plans()[-1].chunked
+
+
 @pytest.mark.parametrize("through_logits", [False, True])
 @pytest.mark.parametrize("chunk_loss", [4, "auto"])
 def test_returned_logits_keep_their_gradient_path(through_logits, chunk_loss):

@@ -373,9 +373,30 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         # pass that makes the loss: the head's own matmul goes.
         if head.users:
             head.replace_all_uses_with(logits)
+            # Readers of the logits that stay (OPT's `logits = lm_head(h).contiguous()`, returned
+            # and read by the loss) come before the function, which sits where the loss was.
+            _move_readers_after(graph, logits)
         graph.erase_node(head)
     if detach:
         _leave_without_grad(gm, site, logits, logits, hidden)
+
+
+def _move_readers_after(graph: fx.Graph, node: fx.Node) -> None:
+    """Move the nodes placed before ``node`` that read it (directly or through each other) to just
+    after it, in their order: the graph stays topologically ordered."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    early, stack, seen = [], list(node.users), set()
+    while stack:
+        reader = stack.pop()
+        if reader in seen or reader.op == "output" or order[reader] > order[node]:
+            continue
+        seen.add(reader)
+        early.append(reader)
+        stack.extend(reader.users)
+    where = node
+    for reader in sorted(early, key=order.__getitem__):
+        where.append(reader)
+        where = reader
 
 
 HEAD_GRADS = "fxremat_head_grads"
