@@ -285,12 +285,14 @@ def build_mlp(quick: bool) -> Workload:
     )
 
 
-def build_cnn(quick: bool) -> Workload:
+def build_cnn(quick: bool, size: dict | None = None) -> Workload:
+    """The ResNet-style CNN; ``size`` (widths, image, batch) overrides the full and quick sizes."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    s = _size(quick, dict(widths=(16, 32, 64, 128), image=64, batch=16), dict(widths=(8, 16), image=16, batch=4))
+    full, small = dict(widths=(16, 32, 64, 128), image=64, batch=16), dict(widths=(8, 16), image=16, batch=4)
+    s = size or _size(quick, full, small)
 
     class Residual(nn.Module):
         def __init__(self, cin, cout, stride):
