@@ -144,6 +144,9 @@ class Plan:
     chunked: tuple[str, ...] = ()
     """One line per loss computed a chunk of tokens at a time (``Options.chunk_loss``): where, how many
     chunks, the least peak planned without chunking when known, and the time it adds."""
+    again: tuple[str, ...] = ()
+    """Values the backward recomputes a second time, after its peak (nested checkpoints): the least-memory
+    plan frees them over the peak and computes them again for their later readers."""
     references: dict = field(default_factory=dict)
     """Predicted timelines of reference policies: name -> ((phase, live bytes), ...)."""
     problem: RematProblem | None = field(default=None, repr=False, compare=False)
@@ -204,6 +207,9 @@ class Plan:
         lines = [self.summary()]
         if self.note:
             lines.append(f"note: {self.note}")
+        if self.again:
+            shown = ", ".join(self.again[:8]) + (f", ... ({len(self.again)} in all)" if len(self.again) > 8 else "")
+            lines.append(f"recomputed twice (again after the backward's peak): {shown}")
         header = f"{'module':<40} {'kept':>12} {'recomputed':>12} {'recompute GFLOP':>16} {'est. ms':>9}"
         lines += ["", header, "-" * len(header)]
         for module, kept, rec, flops, secs in self.by_module():

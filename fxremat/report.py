@@ -78,6 +78,7 @@ def build_plan(
             costs[n].nbytes for n in analysis.joint.graph.find_nodes(op="placeholder") if not is_tangent(n)
         ),
         largest=_largest(pg, costs),
+        again=lowered.again,
         chunked=tuple(_chunk_line(note, analysis, lowered.peak, options) for note in current_notes()),
         problem=pg.problem,
     )

@@ -16,13 +16,13 @@ import torch
 import torch.fx as fx
 
 from ..solvers.schedule import Timeline, liveness
-from ..solvers.types import BACKWARD, FORWARD
+from ..solvers.types import BACKWARD, FORWARD, RematProblem
 from .cost import annotate
 from .fusion import fused_nodes
 from .inplace import inplace_pairs
 from .problem import assemble, is_tangent
 
-__all__ = ["Simulation", "simulate", "seed_gradient_bytes"]
+__all__ = ["Simulation", "Programs", "program_problem", "simulate", "seed_gradient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,24 @@ def seed_gradient_bytes(bw: fx.GraphModule) -> int:
     return total
 
 
-def simulate(
+@dataclass(frozen=True)
+class Programs:
+    """The forward and backward programs as one ``RematProblem``, ids in execution order.
+
+    Attributes:
+        problem: forward ids ``range(offset)``, then tangents and backward ids.
+        kept: forward ids the forward hands the backward.
+        offset: the number of forward ids.
+        nodes: the fx node of each id (forward nodes, then the backward's).
+    """
+
+    problem: RematProblem
+    kept: tuple[int, ...]
+    offset: int
+    nodes: tuple[fx.Node, ...]
+
+
+def program_problem(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
     num_fwd_outputs: int,
@@ -72,23 +89,8 @@ def simulate(
     *,
     fusion: bool = False,
     outputs_released: bool = False,
-) -> Simulation:
-    """Replay ``fw`` then ``bw`` and predict the step's live memory.
-
-    Args:
-        fw: the forward program; its outputs are the user outputs then the saved values.
-        bw: the backward program; its placeholders are saved values (same names
-            as the forward nodes) and tangents.
-        num_fwd_outputs: how many forward outputs the user sees.
-        scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
-        fusion: model Inductor's fusion (``passes/fusion.py``): pointwise values
-            inlined into their consumers allocate nothing, and kernels that
-            write into a dying input allocate nothing (``passes/inplace.py``).
-        outputs_released: the caller drops the user outputs before the backward.
-
-    Returns:
-        The predicted peak and timeline.
-    """
+) -> Programs:
+    """``fw`` then ``bw`` as one problem whose ids are in execution order (``simulate``'s arguments)."""
     fw_costs, bw_costs = annotate(fw, None), annotate(bw, None)  # bytes only
     fw_nodes = [n for n in fw.graph.nodes if n.op == "call_function"]
     bw_nodes = [n for n in bw.graph.nodes if n.op == "call_function" or is_tangent(n)]
@@ -129,6 +131,38 @@ def simulate(
         outputs_released=outputs_released,
         inplace=pairs,
     )
+    return Programs(problem, kept, offset, tuple(fw_nodes + bw_nodes))
+
+
+def simulate(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    scratch_by_name: dict[str, int] | None = None,
+    *,
+    fusion: bool = False,
+    outputs_released: bool = False,
+) -> Simulation:
+    """Replay ``fw`` then ``bw`` and predict the step's live memory.
+
+    Args:
+        fw: the forward program; its outputs are the user outputs then the saved values.
+        bw: the backward program; its placeholders are saved values (same names
+            as the forward nodes) and tangents.
+        num_fwd_outputs: how many forward outputs the user sees.
+        scratch_by_name: scratch bytes per node name (nodes keep their joint-graph names).
+        fusion: model Inductor's fusion (``passes/fusion.py``): pointwise values
+            inlined into their consumers allocate nothing, and kernels that
+            write into a dying input allocate nothing (``passes/inplace.py``).
+        outputs_released: the caller drops the user outputs before the backward.
+
+    Returns:
+        The predicted peak and timeline.
+    """
+    programs = program_problem(
+        fw, bw, num_fwd_outputs, scratch_by_name, fusion=fusion, outputs_released=outputs_released
+    )
+    problem, kept, offset = programs.problem, programs.kept, programs.offset
     timeline = liveness(problem, tuple(range(offset)), tuple(range(offset, problem.size)), kept)
 
     def total(id_list) -> int:

@@ -220,6 +220,9 @@ class Decision:
         solve_seconds: wall time spent solving.
         gap: relative optimality gap where the solver knows one, else None.
         note: one line on anything a user should know (a work limit hit, ...).
+        twice: the most lifetime splits lowering may take: values recomputed a second time
+            where their lifetimes span the backward's peak (``solvers/twice.py``); 0 for none.
+            Only the least-memory plan asks for them (nested checkpoints).
     """
 
     kept: tuple[int, ...]
@@ -231,3 +234,4 @@ class Decision:
     solve_seconds: float = 0.0
     gap: float | None = None
     note: str = field(default="")
+    twice: int = 0

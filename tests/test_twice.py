@@ -1,0 +1,149 @@
+"""Nested checkpoints: values recomputed a second time after the backward's peak (solvers/twice.py,
+passes/twice.py), checked on the plain problem and on a model compiled whole."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxremat
+from fxremat import planner
+from fxremat.solvers import schedule, twice
+from fxremat.solvers.rules import admit, rules
+from test_solvers import chain, problems, valid_rules  # noqa: E402  (tests/ is on sys.path under pytest)
+
+
+def _replay(problem, offset, kept):
+    return schedule.liveness(problem, tuple(range(offset)), tuple(range(offset, problem.size)), kept)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_the_programs_as_one_problem_replay_like_the_plan(p, data):
+    if not valid_rules(p):
+        return
+    rule = rules(p)
+    kept = admit(rule, data.draw(st.sets(st.sampled_from(sorted(rule.relevant)))) if rule.relevant else set())
+    kept, recomputed = schedule.close(p, kept)
+    forward, backward = schedule.programs(p, kept, recomputed)
+    program, offset, program_kept, _ = twice.program_of(p, kept, recomputed)
+    assert offset == len(forward) and program.size == len(forward) + len(backward)
+    want = schedule.liveness(p, forward, backward, kept)
+    got = _replay(program, offset, program_kept)
+    if set(forward) & set(backward):
+        # A value run in both programs shares one id in the joint replay, which holds the forward's
+        # storage into the backward when the backward's run uses it: an upper bound on the programs'.
+        assert got.peak <= want.peak
+    else:
+        assert [s[2] for s in got.steps] == [s[2] for s in want.steps]
+
+
+def _origins(problem, splits):
+    """Each id's original id after ``splits`` (a copy's is its value's), and which ids are copies."""
+    origin, copy = list(range(problem.size)), [False] * problem.size
+    for split in splits:
+        origin = origin[: split.at] + [origin[c] for c in split.copies] + origin[split.at :]
+        copy = copy[: split.at] + [True] * len(split.copies) + copy[split.at :]
+    return origin, copy
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_splits_compute_the_same_values_and_never_raise_the_peak(p, data):
+    if not valid_rules(p):
+        return
+    rule = rules(p)
+    kept = admit(rule, data.draw(st.sets(st.sampled_from(sorted(rule.relevant)))) if rule.relevant else set())
+    kept, recomputed = schedule.close(p, kept)
+    program, offset, program_kept, again = twice.program_of(p, kept, recomputed)
+    out, splits, timeline = twice.split_lifetimes(program, offset, program_kept, again)
+    assert timeline.peak <= _replay(program, offset, program_kept).peak
+    origin, copy = _origins(program, splits)
+    assert len(origin) == out.size
+    for v in range(out.size):
+        # Every node reads the same values as before, and a node reading a copy runs after it.
+        assert sorted(origin[u] for u in out.inputs[v]) == sorted(program.inputs[origin[v]])
+        assert origin[out.storage[v]] == program.storage[origin[v]]
+    # Only values that may run again are copied.
+    assert {origin[v] for v in range(out.size) if copy[v]} <= set(again)
+
+
+def test_nested_checkpoints_lower_the_least_peak_of_a_chain():
+    # A chain whose gradients read their inputs: keeping every 4th value leaves segments of 3 the
+    # backward recomputes and holds at once; recomputed twice, fewer values need be kept.
+    p = chain(32, nbytes=4)
+    start = [v for v in range(0, 32, 6)]
+    plain = schedule.decision(p, start, None, "test")
+    kept, peak, splits = twice.nested_least(p, plain.kept)
+    assert splits > 0
+    assert peak < plain.peak_bytes
+    assert len(kept) < len(plain.kept)
+    # The search is deterministic: counts, never the clock.
+    assert twice.nested_least(p, plain.kept) == (kept, peak, splits)
+
+
+def test_split_copies_are_held_to_one_forward_of_flops(monkeypatch):
+    p = chain(32, nbytes=4)
+    plain = schedule.decision(p, [0, 16], None, "test")
+    _, _, free = twice.nested_least(p, plain.kept)
+    monkeypatch.setattr(twice, "TWICE_MAX_FLOPS", 0.0)
+    kept, peak, none = twice.nested_least(p, plain.kept)
+    assert free > 0 and none == 0
+
+
+class Chain(torch.nn.Module):
+    """Linear + tanh layers: a long chain whose least plan keeps segment boundaries."""
+
+    def __init__(self, layers: int = 32, width: int = 64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _least(monkeypatch, nested: bool):
+    if not nested:
+        monkeypatch.setattr(planner, "nested_least", lambda problem, start: (tuple(start), 0, 0))
+    torch._dynamo.reset()  # a second model of the same class would reuse the first's compiled graph
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(2048, 64)
+    compiled = torch.compile(model, backend="fxremat", options={"budget": 1, "on_infeasible": "min", "inner": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x).backward()
+    monkeypatch.undo()
+    return model, x, compiled, fxremat.plans()[-1]
+
+
+def test_a_chain_compiled_whole_recomputes_segments_twice_and_peaks_lower(monkeypatch):
+    *_, plain = _least(monkeypatch, nested=False)
+    model, x, compiled, plan = _least(monkeypatch, nested=True)
+    assert not plain.again
+    assert plan.again, plan.note
+    assert "nested checkpoints" in plan.note
+    assert "recomputed twice" in str(plan)
+    assert plan.predicted_peak <= 0.8 * plain.predicted_peak
+    # The step that runs: measured within the prediction, gradients equal eager's.
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=0)
+    assert measured.peak_bytes <= plan.predicted_peak
+    model.zero_grad(set_to_none=True)
+    compiled(x).backward()
+    reference = Chain()
+    reference.load_state_dict(model.state_dict())
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_nested_plan_is_the_same_every_time(monkeypatch):
+    plans = [_least(monkeypatch, nested=True)[-1] for _ in range(2)]
+    assert len({(p.fingerprint(), p.again, p.predicted_peak) for p in plans}) == 1
