@@ -690,7 +690,14 @@ def choose(
     if memo is not None and memo_key in memo:
         again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED)
         if again is not None:
-            return completed(again)
+            choice = completed(again)
+            if plan_cache.enabled() and choice.lowered.source != "simulation+allowance":
+                # The least plan of a refused budget (on_infeasible="min" after the refusal): a later run
+                # reads it instead of searching it again.
+                plan_cache.store(
+                    _cache_key(analysis, options), {**_cache_entry(analysis, choice), "note": memo[memo_key]["note"]}
+                )
+            return choice
     key = _cache_key(analysis, options) if plan_cache.enabled() else None
     if key is not None:
         cached = _from_cache(key, analysis, options, name, fastest, started)

@@ -144,6 +144,30 @@ def test_a_chain_compiled_whole_recomputes_segments_twice_and_peaks_lower(monkey
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_the_nested_plan_is_the_same_every_time(monkeypatch):
-    plans = [_least(monkeypatch, nested=True)[-1] for _ in range(2)]
-    assert len({(p.fingerprint(), p.again, p.predicted_peak) for p in plans}) == 1
+def test_the_plan_cache_gives_the_same_nested_plan_without_searching(tmp_path, monkeypatch):
+    from fxremat import plan_cache
+
+    monkeypatch.setenv("FXREMAT_PLAN_CACHE", "1")
+    monkeypatch.setattr(plan_cache, "folder", lambda: tmp_path / "plans")
+    first = _least(monkeypatch, nested=True)[-1]
+    monkeypatch.setenv("FXREMAT_PLAN_CACHE", "1")  # _least undid the patches
+    monkeypatch.setattr(plan_cache, "folder", lambda: tmp_path / "plans")
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the cached plan was searched again")
+
+    monkeypatch.setattr(planner, "nested_least", no_search)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(2048, 64)
+    compiled = torch.compile(model, backend="fxremat", options={"budget": 1, "on_infeasible": "min", "inner": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x).backward()
+    again = fxremat.plans()[-1]
+    assert "plan cache" in again.note
+    assert (again.fingerprint(), again.again, again.predicted_peak) == (
+        first.fingerprint(),
+        first.again,
+        first.predicted_peak,
+    )
