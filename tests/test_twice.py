@@ -107,13 +107,13 @@ class Chain(torch.nn.Module):
         return x.square().mean()
 
 
-def _least(monkeypatch, nested: bool):
+def _least(monkeypatch, nested: bool, inner: str = "eager"):
     if not nested:
         monkeypatch.setattr(planner, "nested_least", lambda problem, start: (tuple(start), 0, 0))
     torch._dynamo.reset()  # a second model of the same class would reuse the first's compiled graph
     torch.manual_seed(0)
     model, x = Chain(), torch.randn(2048, 64)
-    compiled = torch.compile(model, backend="fxremat", options={"budget": 1, "on_infeasible": "min", "inner": "eager"})
+    compiled = torch.compile(model, backend="fxremat", options={"budget": 1, "on_infeasible": "min", "inner": inner})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled(x).backward()
@@ -135,13 +135,27 @@ def test_a_chain_compiled_whole_recomputes_segments_twice_and_peaks_lower(monkey
         warnings.simplefilter("ignore")
         measured = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=0)
     assert measured.peak_bytes <= plan.predicted_peak
+    _equal_to_eager(model, x, compiled)
+
+
+def _equal_to_eager(model, x, compiled):
     model.zero_grad(set_to_none=True)
-    compiled(x).backward()
+    loss = compiled(x)
+    loss.backward()
     reference = Chain()
     reference.load_state_dict(model.state_dict())
-    reference(x).backward()
+    want = reference(x)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-6)
     for a, b in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_under_inductor_the_nested_plan_is_inductors_program_and_trains_like_eager(monkeypatch):
+    model, x, compiled, plan = _least(monkeypatch, nested=True, inner="inductor")
+    assert plan.again, plan.note
+    assert "_again" in plan.backward_code
+    _equal_to_eager(model, x, compiled)
 
 
 def test_the_plan_cache_gives_the_same_nested_plan_without_searching(tmp_path, monkeypatch):
