@@ -143,6 +143,7 @@ class _Round:
             for u in self.reads[v]:
                 self.last[storage[u]] = max(self.last[storage[u]], v)
         self.read_at_peak = {storage[u] for u in self.reads[self.peak_id]} | {storage[self.peak_id]}
+        self.returned = frozenset(problem.bw_outputs)
 
     def candidates(self) -> list[int]:
         """Storage owners recomputed in the backward, alive over the peak, not read by it; largest first."""
@@ -189,7 +190,7 @@ class _Round:
                     continue  # a forward value (kept) or already copied
                 dead = self.last[storage[u]] <= p
                 if u in self.gone or storage[u] == s or dead:
-                    if storage[u] in problem.bw_outputs or u in problem.bw_outputs:
+                    if storage[u] in self.returned or u in self.returned:
                         return None
                     todo.append(u)
         late = [r for c in copies for r in self.readers[c] if r > p]
@@ -211,12 +212,15 @@ def _split_lifetimes(
 ) -> tuple[RematProblem, tuple[Split, ...], Timeline, int]:
     """Greedily split the lifetimes that span the backward's peak, while the peak falls.
 
-    Each round looks at the step where the replay peaks; for every value recomputed
-    in the backward that is alive there but not read there, it tries recomputing it
-    (and what it needs that died before) again after the peak, and takes the split
-    that lowers the live bytes at that step most without raising the peak (ties:
-    fewer copies, then the lowest id). A plateau of equal peaks is lowered one step
-    at a time.
+    Each round looks at the step where the replay peaks; for the values recomputed in
+    the backward that are alive there but not read there (the ``TWICE_CANDIDATES``
+    largest), it tries recomputing each (and what it needs that died before) again
+    after the peak, and takes the split that lowers the live bytes at that step most
+    without raising the peak (ties: fewer copies, then the lowest id). A plateau of
+    equal peaks is lowered one step at a time. The copies' FLOPs are held to
+    ``TWICE_MAX_FLOPS`` times the forward's: each split copies the chain from the last
+    value alive, and without a bound a long chain is copied once per split (a 32-layer
+    chain of linears ran 5x slower, 60 splits).
 
     Args:
         problem: the programs as one problem, ids in execution order.
@@ -226,10 +230,6 @@ def _split_lifetimes(
             deterministic, no mutation, independent of the tangents).
         max_work: simulations x nodes the search may spend.
         max_splits: the most splits to take (at most ``TWICE_MAX_SPLITS``).
-
-    The copies' FLOPs are held to ``TWICE_MAX_FLOPS`` times the forward's: each split copies
-    the chain from the last value alive, and without a bound a long chain is copied once
-    per split (a 32-layer chain of linears ran 5x slower, 60 splits).
 
     Returns:
         (the problem with the splits applied, the splits in the order applied, its replay,
