@@ -140,6 +140,8 @@ class Lowered:
     """Under Inductor: the forward program's own peak, when this run lowered it (not from the plan cache)."""
     again: tuple[str, ...] = ()
     """Values the backward recomputes a second time after its peak (``Decision.twice``), by name."""
+    scratch: dict[str, int] | None = None
+    """Workspace by node name of these programs when it is not the analysis's (their copies' names)."""
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
     if not decision.twice:
-        return _judge_programs(analysis, decision, fw, bw, options, known)
+        return _judge_programs(analysis, decision, fw, bw, options, known, analysis.scratch)
     bw, made = recompute_twice(
         fw,
         bw,
@@ -321,10 +323,14 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         outputs_released=options.release_outputs is True,
         max_splits=decision.twice,
     )
-    # A copy's workspace is its value's (the dry lowering and the replays look it up by name).
-    analysis.scratch.update({twin: analysis.scratch[name] for twin, name in made.items() if name in analysis.scratch})
-    lowered = _judge_programs(analysis, decision, fw, bw, options, known)
-    return replace(lowered, again=tuple(sorted(set(made.values()))))
+    # A copy's workspace is its value's (the dry lowering and the replays look it up by name). A new
+    # dict: the analysis's own is part of the plan cache's key.
+    scratch = {
+        **analysis.scratch,
+        **{twin: analysis.scratch[name] for twin, name in made.items() if name in analysis.scratch},
+    }
+    lowered = _judge_programs(analysis, decision, fw, bw, options, known, scratch)
+    return replace(lowered, again=tuple(sorted(set(made.values()))), scratch=scratch)
 
 
 def _judge_programs(
@@ -334,14 +340,15 @@ def _judge_programs(
     bw: fx.GraphModule,
     options: Options,
     known: tuple[int, int] | None,
+    scratch: dict[str, int],
 ) -> Lowered:
-    """``lower``'s judgement of the programs ``fw`` and ``bw``."""
+    """``lower``'s judgement of the programs ``fw`` and ``bw``, whose nodes' workspace is ``scratch``."""
     judged = _judged_backward(analysis, bw, options)
     sim = simulate(
         fw,
         judged,
         analysis.num_fwd_outputs,
-        analysis.scratch,
+        scratch,
         fusion=analysis.fusion,
         outputs_released=options.release_outputs is True,
     )
@@ -356,7 +363,7 @@ def _judge_programs(
             fw,
             judged,
             analysis.num_fwd_outputs,
-            analysis.scratch,
+            scratch,
             outputs_released=options.release_outputs is True,
             scratch_at=analysis.scratch_at,
         )
@@ -429,6 +436,11 @@ def follow_rank0(analysis: Analysis, choice: Choice, options: Options, name: str
     )
 
 
+def _scratch(analysis: Analysis, lowered: Lowered) -> dict[str, int]:
+    """Workspace by node name of ``lowered``'s programs."""
+    return analysis.scratch if lowered.scratch is None else lowered.scratch
+
+
 def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int:
     """The predicted peak of ``lowered``'s programs when the caller drops the outputs before the backward."""
     if options.release_outputs is True:
@@ -439,7 +451,7 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
         lowered.forward,
         _judged_backward(analysis, lowered.backward, options),
         analysis.num_fwd_outputs,
-        analysis.scratch,
+        _scratch(analysis, lowered),
         fusion=analysis.fusion,
         outputs_released=True,
     )
@@ -485,7 +497,7 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
             lowered.forward,
             backward,
             analysis.num_fwd_outputs,
-            analysis.scratch,
+            _scratch(analysis, lowered),
             outputs_released=assumed,
             forward_peak=lowered.forward_peak,
             scratch_at=analysis.scratch_at,
@@ -494,7 +506,9 @@ def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -
         return step.peak + extra, (step.peak if assumed else step.other_peak) + extra
     peaks = []
     for released in (assumed, True):
-        sim = simulate(lowered.forward, backward, analysis.num_fwd_outputs, analysis.scratch, outputs_released=released)
+        sim = simulate(
+            lowered.forward, backward, analysis.num_fwd_outputs, _scratch(analysis, lowered), outputs_released=released
+        )
         peaks.append(sim.peak + held_calls * sim.saved_bytes)
     return peaks[0], peaks[1]
 

@@ -56,13 +56,11 @@ NESTED_MAX_WORK = 1_500_000
 class Split:
     """Copies of ``copies`` run just before id ``at``; every node from ``at`` on reads the copies.
 
-    Ids are those of the problem the split applies to. ``freed`` is the storage
-    owner the split was made for (the value no longer alive over the peak).
+    Ids are those of the problem the split applies to.
     """
 
     at: int
     copies: tuple[int, ...]
-    freed: int
 
 
 def with_split(problem: RematProblem, split: Split) -> RematProblem:
@@ -196,7 +194,7 @@ class _Round:
         late = [r for c in copies for r in self.readers[c] if r > p]
         if not late:
             return None
-        return Split(min(late), tuple(sorted(copies)), s)
+        return Split(min(late), tuple(sorted(copies)))
 
 
 def split_lifetimes(
