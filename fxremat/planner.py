@@ -37,7 +37,8 @@ from .hardware import get_hardware
 from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
 from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
-from .passes.inductor_memory import predict_step
+from .passes.forked import workers as forked_workers
+from .passes.inductor_memory import donated_inputs, predict_step, start_lowering, stop_lowering
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes, specialize_sizes
@@ -304,6 +305,23 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
     ``known``: the (peak, other peak) Inductor's programs for this decision were judged at in an
     earlier run (``plan_cache``); the dry lowering is then skipped.
     """
+    fw, bw, made = _programs(analysis, decision, options)
+    if not decision.twice:
+        return _judge_programs(analysis, decision, fw, bw, options, known, analysis.scratch)
+    # A copy's workspace is its value's (the dry lowering and the replays look it up by name). A new
+    # dict: the analysis's own is part of the plan cache's key.
+    scratch = {
+        **analysis.scratch,
+        **{twin: analysis.scratch[name] for twin, name in made.items() if name in analysis.scratch},
+    }
+    lowered = _judge_programs(analysis, decision, fw, bw, options, known, scratch)
+    return replace(lowered, again=tuple(sorted(set(made.values()))), scratch=scratch)
+
+
+def _programs(
+    analysis: Analysis, decision: Decision, options: Options
+) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, str]]:
+    """The forward and backward ``decision`` runs, checked, and the nested copies' names (copy -> value)."""
     fw, bw = apply_decision(
         analysis.joint,
         saved_nodes(analysis.graph, decision),
@@ -313,7 +331,7 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
     )
     check_saved_aliases(fw, bw, analysis.num_fwd_outputs)
     if not decision.twice:
-        return _judge_programs(analysis, decision, fw, bw, options, known, analysis.scratch)
+        return fw, bw, {}
     bw, made = recompute_twice(
         fw,
         bw,
@@ -323,14 +341,20 @@ def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple
         outputs_released=options.release_outputs is True,
         max_splits=decision.twice,
     )
-    # A copy's workspace is its value's (the dry lowering and the replays look it up by name). A new
-    # dict: the analysis's own is part of the plan cache's key.
-    scratch = {
-        **analysis.scratch,
-        **{twin: analysis.scratch[name] for twin, name in made.items() if name in analysis.scratch},
-    }
-    lowered = _judge_programs(analysis, decision, fw, bw, options, known, scratch)
-    return replace(lowered, again=tuple(sorted(set(made.values()))), scratch=scratch)
+    return fw, bw, made
+
+
+def _lower_ahead(analysis: Analysis, decisions: list[Decision], options: Options) -> list[str]:
+    """Start the dry lowerings of the programs ``decisions`` will be judged on, in forked children
+    (``inductor_memory.start_lowering``), in the order ``lower`` asks for them; the fingerprints handed out."""
+    if not analysis.fusion or forked_workers() < 2:
+        return []
+    programs = []
+    for decision in decisions:
+        fw, bw, _ = _programs(analysis, decision, options)
+        judged = _judged_backward(analysis, bw, options)
+        programs += [(fw, False, None), (judged, True, donated_inputs(fw, judged, analysis.num_fwd_outputs))]
+    return start_lowering(programs)
 
 
 def _judge_programs(
@@ -358,6 +382,8 @@ def _judge_programs(
         return Lowered(decision, fw, bw, sim, sim.peak + held)
     if known is not None:
         return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1])
+    # The backward is lowered in a forked child while this process lowers the forward (passes/forked.py).
+    forked = start_lowering([(fw, False, None), (judged, True, donated_inputs(fw, judged, analysis.num_fwd_outputs))])
     try:
         step = predict_step(
             fw,
@@ -375,6 +401,8 @@ def _judge_programs(
         )
         peak = math.ceil(sim.peak * (1 + INDUCTOR_ALLOWANCE)) + held
         return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
+    finally:
+        stop_lowering(forked)
     return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held, step.forward_peak)
 
 
@@ -637,7 +665,13 @@ def _no_budget(
                     f"estimated recompute ({budgeted * 1e3:.3g} ms)",
                 )
             )
-    candidates = [(quickest, "")] + [(judge(d), why) for d, why in found if d.peak_bytes < worth]
+    worthy = [(d, why) for d, why in found if d.peak_bytes < worth]
+    # The candidates' programs are lowered at once, in forked children beside this process.
+    ahead = _lower_ahead(analysis, [d for d, _ in worthy], options)
+    try:
+        candidates = [(quickest, "")] + [(judge(d), why) for d, why in worthy]
+    finally:
+        stop_lowering(ahead)
     lowered, why = min(candidates, key=lambda c: (c[0].peak, c[0].decision.recompute_seconds))
     note = lowered.decision.note
     if lowered is not quickest:

@@ -32,26 +32,47 @@ the donated inputs and Inductor's settings).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._torch_compat import FakeTensor, compiler_config_digest, inductor_program_events
+from .forked import Child, fork_call, workers
 from .invariants import outputs_of, storage_of
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
 
-__all__ = ["InductorStep", "predict_step", "program_events", "forget_programs", "replay", "PROGRAMS_KEPT"]
+__all__ = [
+    "InductorStep",
+    "predict_step",
+    "program_events",
+    "start_lowering",
+    "stop_lowering",
+    "donated_inputs",
+    "forget_programs",
+    "replay",
+    "PROGRAMS_KEPT",
+]
+
+log = logging.getLogger(__name__)
 
 # Programs whose events are kept (``program_events``): a compile of a four-layer
 # transformer asks for 20-30, most of them more than once; each is a few thousand
 # small tuples (under 1 MB).
 PROGRAMS_KEPT = 64
 _PROGRAMS: "OrderedDict[str, list[tuple]]" = OrderedDict()
+# A program to lower: (graph, is_backward, donated inputs).
+Program = tuple[fx.GraphModule, bool, "list[int] | None"]
+# Programs being lowered in forked children (``start_lowering``), and those waiting for a free
+# worker, by fingerprint.
+_PENDING: dict[str, Child] = {}
+_QUEUED: "OrderedDict[str, Program]" = OrderedDict()
 # Graph constants up to this many elements are fingerprinted by value (Inductor folds small ones).
 SMALL_CONSTANT = 16
 
@@ -171,20 +192,8 @@ def predict_step(
 
     outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
-    user: dict[object, int] = {
-        s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller
-    }
-    # AOTAutograd donates the saved tensors no forward input, user output or gradient shares.
-    shared = caller | set(user) | {s[0] for s in map(_storage, outputs_of(bw)) if s is not None}
-    donated = [
-        i
-        for i, ph in enumerate(bw.graph.find_nodes(op="placeholder"))
-        if not is_tangent(ph)
-        and ph.name in by_name
-        and (s := _storage(by_name[ph.name])) is not None
-        and s[0] not in shared
-    ]
-    bw_events = program_events(bw, is_backward=True, donated=donated)
+    user = _user_outputs(fw, num_fwd_outputs, caller)
+    bw_events = program_events(bw, is_backward=True, donated=donated_inputs(fw, bw, num_fwd_outputs))
     # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
     seeds = seed_gradient_bytes(bw)
     steps = {}
@@ -199,6 +208,29 @@ def predict_step(
         start,
         max(forward_peak, steps[not outputs_released][0]),
     )
+
+
+def _user_outputs(fw: fx.GraphModule, num_fwd_outputs: int, caller: set) -> dict[object, int]:
+    """The storages of the forward's user outputs (none of the caller's inputs) and their bytes."""
+    outputs = outputs_of(fw)
+    return {s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller}
+
+
+def donated_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
+    """Positions of ``bw``'s placeholders AOTAutograd donates: the saved tensors no forward input,
+    user output or gradient shares (Inductor may write into them in place)."""
+    caller = {s[0] for s in map(_storage, fw.graph.find_nodes(op="placeholder")) if s is not None}
+    by_name = {n.name: n for n in outputs_of(fw) if isinstance(n, fx.Node)}
+    user = _user_outputs(fw, num_fwd_outputs, caller)
+    shared = caller | set(user) | {s[0] for s in map(_storage, outputs_of(bw)) if s is not None}
+    return [
+        i
+        for i, ph in enumerate(bw.graph.find_nodes(op="placeholder"))
+        if not is_tangent(ph)
+        and ph.name in by_name
+        and (s := _storage(by_name[ph.name])) is not None
+        and s[0] not in shared
+    ]
 
 
 def _backward_inputs(bw: fx.GraphModule, by_name: dict, caller: set, pinned: dict, seeds: int):
@@ -236,19 +268,78 @@ def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] 
     if key is None:
         return inductor_program_events(gm, is_backward=is_backward, donated=donated)
     events = _PROGRAMS.get(key)
+    if events is not None:
+        _PROGRAMS.move_to_end(key)
+        return events
+    _QUEUED.pop(key, None)  # not started in a child: lowered here, now
+    if key in _PENDING:
+        child = _PENDING.pop(key)
+        ok, answer = child.result()
+        if ok:
+            events = cast(list, answer)
+        else:
+            log.info("fxremat: the forked dry lowering of %s failed (%s); lowering it here", child.what, answer)
+    _fill()  # a worker may be free: keep the children busy while this process lowers
     if events is None:
         events = inductor_program_events(gm, is_backward=is_backward, donated=donated)
-        _PROGRAMS[key] = events
-        while len(_PROGRAMS) > PROGRAMS_KEPT:
-            _PROGRAMS.popitem(last=False)
-    else:
-        _PROGRAMS.move_to_end(key)
+    _PROGRAMS[key] = events
+    while len(_PROGRAMS) > PROGRAMS_KEPT:
+        _PROGRAMS.popitem(last=False)
     return events
+
+
+def start_lowering(programs: list[Program]) -> list[str]:
+    """Lower ``programs`` ((graph, is_backward, donated) each, in the order this process will ask
+    ``program_events`` for them) in forked children; ``program_events`` then takes their events.
+
+    This process lowers the first program not yet kept itself, going forward through the list; the
+    children take the others from the back, as many at a time as ``forked.workers`` allows beside
+    this process, so the two meet near the end and neither waits long for the other. Programs with
+    symbolic sizes are left out, and all are when forking is off. Returns the fingerprints handed
+    to children: pass them to ``stop_lowering`` when done.
+    """
+    if workers() < 2:
+        return []
+    todo: dict[str, Program] = {}
+    for program in programs:
+        key = _fingerprint(*program)
+        if key is not None and key not in _PROGRAMS and key not in _PENDING and key not in _QUEUED:
+            todo.setdefault(key, program)
+    handed = list(todo)[1:]
+    for key in handed:
+        _QUEUED[key] = todo[key]
+    _fill()
+    return handed
+
+
+def _fill() -> None:
+    """Fork children for the queued programs, the last queued first, while workers are free."""
+    free = workers() - 1 - len(_PENDING)
+    while free > 0 and _QUEUED:
+        key, (gm, is_backward, donated) = _QUEUED.popitem(last=True)
+        what = f"the {'backward' if is_backward else 'forward'} ({len(gm.graph.nodes)} nodes)"
+
+        def lower(gm=gm, is_backward=is_backward, donated=donated) -> list[tuple]:
+            return inductor_program_events(gm, is_backward=is_backward, donated=donated)
+
+        _PENDING[key] = fork_call(lower, what)
+        free -= 1
+
+
+def stop_lowering(keys: list[str]) -> None:
+    """Drop the queued programs of ``keys`` and end their children whose events were not taken (the
+    judgement that wanted them is over)."""
+    for key in keys:
+        _QUEUED.pop(key, None)
+        child = _PENDING.pop(key, None)
+        if child is not None:
+            child.cancel()
 
 
 def forget_programs() -> None:
     """Drop the programs ``program_events`` kept (tests that count or replace lowerings)."""
     _PROGRAMS.clear()
+    stop_lowering([*_PENDING, *_QUEUED])
 
 
 def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | None) -> str | None:

@@ -1,0 +1,151 @@
+"""Dry lowerings in forked children (``passes/forked.py``): same events, same plans, failures lowered here."""
+
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+import fxremat
+from fxremat.passes import forked, inductor_memory
+from zoo import ZOO
+
+
+@pytest.fixture
+def forking(monkeypatch):
+    """Forked lowering on (conftest turns it off for the rest of the suite), with two workers."""
+    monkeypatch.setenv(forked.ENV_WORKERS, "2")
+    if forked.workers() < 2:
+        pytest.skip("forked lowering needs os.fork, two CPUs and CUDA not initialized")
+
+
+def test_a_child_returns_its_value_and_is_reaped():
+    child = forked.fork_call(lambda: [("alloc", "buf0", 4), ("free", "buf0")], "a test")
+    assert child.result() == (True, [("alloc", "buf0", 4), ("free", "buf0")])
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # reaped
+
+
+def test_a_child_that_raises_says_why():
+    ok, why = forked.fork_call(lambda: 1 // 0, "a test").result()
+    assert not ok and why.startswith("ZeroDivisionError"), why
+
+
+def test_a_child_that_dies_without_answering_is_a_failure():
+    ok, why = forked.fork_call(lambda: os._exit(3), "a test").result()
+    assert not ok and "could not be read" in why, why
+
+
+def test_a_child_that_hangs_is_ended(monkeypatch):
+    monkeypatch.setattr(forked, "MIN_WAIT_SECONDS", 0.5)
+    child = forked.fork_call(lambda: time.sleep(120), "a test")
+    started = time.perf_counter()
+    ok, why = child.result()
+    assert not ok and "no answer" in why, why
+    assert time.perf_counter() - started < 30
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)
+
+
+def test_workers_setting(monkeypatch):
+    monkeypatch.setenv(forked.ENV_WORKERS, "1")
+    assert forked.workers() == 1
+    for bad, match in (("two", "is not an int"), ("0", "at least 1")):
+        monkeypatch.setenv(forked.ENV_WORKERS, bad)
+        with pytest.raises(ValueError, match=match):
+            forked.workers()
+    monkeypatch.setenv(forked.ENV_WORKERS, "8")
+    assert forked.workers() <= len(os.sched_getaffinity(0))
+    # A forked child cannot use CUDA: no child once it is initialized.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert forked.workers() == 1
+
+
+def _explain(**options) -> fxremat.Plan:
+    torch._dynamo.reset()
+    model, inputs = ZOO["transformer"]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fxremat.explain(model, *inputs, **options)
+    # Every candidate judged on Inductor's programs: none fell back to the simulation.
+    assert not [w for w in caught if "could not report its program" in str(w.message)]
+    return plan
+
+
+def _same(a: fxremat.Plan, b: fxremat.Plan) -> None:
+    assert [r.name for r in a.kept] == [r.name for r in b.kept]
+    assert (a.predicted_peak, a.released_peak, a.fastest_peak, a.accumulating_peak) == (
+        b.predicted_peak,
+        b.released_peak,
+        b.fastest_peak,
+        b.accumulating_peak,
+    )
+
+
+def _forks_counted(monkeypatch) -> list[str]:
+    started: list[str] = []
+    real = inductor_memory.fork_call
+    monkeypatch.setattr(inductor_memory, "fork_call", lambda call, what: started.append(what) or real(call, what))
+    return started
+
+
+@pytest.fixture(scope="module")
+def lowered_here() -> fxremat.Plan:
+    """The zoo transformer's no-budget plan (several candidates judged), every program lowered here."""
+    assert forked.workers() == 1  # conftest: FXREMAT_LOWERING_WORKERS=1
+    inductor_memory.forget_programs()
+    return _explain()
+
+
+def test_forked_lowerings_give_the_plan_of_lowerings_here(monkeypatch, forking, lowered_here):
+    started = _forks_counted(monkeypatch)
+    there = _explain()
+    # Programs went to children (each plan's backward while this process lowered its forward; with no
+    # budget the candidates' programs from the back of the list).
+    assert any(w.startswith("the backward") for w in started), started
+    _same(there, lowered_here)
+
+
+def test_a_failed_child_is_lowered_here(monkeypatch, forking, caplog, lowered_here):
+    """A child whose lowering fails changes nothing: the program is lowered in this process."""
+    parent = os.getpid()
+    real = inductor_memory.inductor_program_events
+
+    def fails_in_children(gm, **kw):
+        if os.getpid() != parent:
+            raise RuntimeError("a child's lowering exploded")
+        return real(gm, **kw)
+
+    monkeypatch.setattr(inductor_memory, "inductor_program_events", fails_in_children)
+    started = _forks_counted(monkeypatch)
+    with caplog.at_level("INFO", logger="fxremat.passes.inductor_memory"):
+        plan = _explain()
+    assert started
+    assert "a child's lowering exploded" in caplog.text and "lowering it here" in caplog.text
+    _same(plan, lowered_here)
+
+
+def _pointwise(shape):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(lambda a: (a.sin() * 2).cos(), tracing_mode="fake")(torch.randn(*shape))
+
+
+def test_this_process_goes_forward_and_children_take_the_back(monkeypatch, forking):
+    """Of the programs handed out, this process lowers the first; a child the last; one still queued
+    when this process reaches it is lowered here. Every event equals an in-process lowering's."""
+    programs = [(_pointwise((2, 3, n)), False, None) for n in (8, 9, 10)]
+    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, _, _ in programs]
+    inductor_memory.forget_programs()
+    started = _forks_counted(monkeypatch)
+    handed = inductor_memory.start_lowering(programs)
+    assert len(handed) == 2 and started == ["the forward (5 nodes)"]  # one worker beside this process
+    assert inductor_memory.start_lowering(programs) == []  # already handed out or queued
+    events = [inductor_memory.program_events(gm, is_backward=False) for gm, _, _ in programs]
+    assert events == here
+    # The middle program was still queued when reached after the first: a child took it once the
+    # first was done, or this process lowered it; the last came from the first child.
+    assert 1 <= len(started) <= 2, started
+    inductor_memory.stop_lowering(handed)  # nothing left to end
+    assert inductor_memory.start_lowering(programs) == []  # all kept now
