@@ -577,7 +577,7 @@ def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
 SEARCHING_SOLVERS = ("auto", "mincut", "ilp")
 
 
-def _least(problem, search: str, options: Options, judge) -> Lowered:
+def _least(analysis: Analysis, search: str, options: Options, judge) -> Lowered:
     """The least-memory plan, judged on its programs: the least-peak search's, or per-layer
     checkpointing's when its programs peak lower.
 
@@ -585,11 +585,18 @@ def _least(problem, search: str, options: Options, judge) -> Lowered:
     disagree with: on HF GPT-2 (vocabulary 2k) it chose a plan whose programs peak at
     49.0 MiB, where per-layer checkpointing's peak at 44.2 MiB.
     """
+    problem = analysis.graph.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
-    found = judge(solve(problem, 1, search, solve_options))
+    least = solve(problem, 1, search, solve_options)
     if options.solver not in SEARCHING_SOLVERS:
-        return found
-    layers = judge(solve(problem, None, "per_layer", solve_options))
+        return judge(least)
+    per_layer = solve(problem, None, "per_layer", solve_options)
+    # Both candidates' programs are lowered at once, in forked children beside this process.
+    ahead = _lower_ahead(analysis, [least, per_layer], options)
+    try:
+        found, layers = judge(least), judge(per_layer)
+    finally:
+        stop_lowering(ahead)
     if layers.peak < found.peak:
         note = (
             f"per-layer checkpointing's plan: its programs peak at {format_bytes(layers.peak)}, the least-peak "
@@ -918,7 +925,7 @@ def _choose(
         else:
             # Below the solver's least estimate; the least plan's programs may still leave room.
             if least is None:
-                least = _least(problem, search, options, judge)
+                least = _least(analysis, search, options, judge)
             lowered = least
         log.debug("fxremat %s: target %d -> programs peak %d (budget %d)", name, target, lowered.peak, budget)
         if lowered.peak <= budget:
@@ -945,7 +952,7 @@ def _choose(
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, judge(fastest).peak)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
-        least = _least(problem, search, options, judge)
+        least = _least(analysis, search, options, judge)
     if search != options.solver:
         least = _named(least, options.solver)
     note = least.decision.note

@@ -69,10 +69,9 @@ PROGRAMS_KEPT = 64
 _PROGRAMS: "OrderedDict[str, list[tuple]]" = OrderedDict()
 # A program to lower: (graph, is_backward, donated inputs).
 Program = tuple[fx.GraphModule, bool, "list[int] | None"]
-# Programs being lowered in forked children (``start_lowering``), and those waiting for a free
-# worker, by fingerprint.
-_PENDING: dict[str, Child] = {}
-_QUEUED: "OrderedDict[str, Program]" = OrderedDict()
+# Programs being lowered in forked children (``start_lowering``), by fingerprint: the child and the
+# fingerprints of its whole share, in its order.
+_PENDING: dict[str, tuple[Child, list[str]]] = {}
 # Graph constants up to this many elements are fingerprinted by value (Inductor folds small ones).
 SMALL_CONSTANT = 16
 
@@ -271,15 +270,8 @@ def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] 
     if events is not None:
         _PROGRAMS.move_to_end(key)
         return events
-    _QUEUED.pop(key, None)  # not started in a child: lowered here, now
     if key in _PENDING:
-        child = _PENDING.pop(key)
-        ok, answer = child.result()
-        if ok:
-            events = cast(list, answer)
-        else:
-            log.info("fxremat: the forked dry lowering of %s failed (%s); lowering it here", child.what, answer)
-    _fill()  # a worker may be free: keep the children busy while this process lowers
+        events = _collect(key)
     if events is None:
         events = inductor_program_events(gm, is_backward=is_backward, donated=donated)
     _PROGRAMS[key] = events
@@ -292,54 +284,86 @@ def start_lowering(programs: list[Program]) -> list[str]:
     """Lower ``programs`` ((graph, is_backward, donated) each, in the order this process will ask
     ``program_events`` for them) in forked children; ``program_events`` then takes their events.
 
-    This process lowers the first program not yet kept itself, going forward through the list; the
-    children take the others from the back, as many at a time as ``forked.workers`` allows beside
-    this process, so the two meet near the end and neither waits long for the other. Programs with
-    symbolic sizes are left out, and all are when forking is off. Returns the fingerprints handed
-    to children: pass them to ``stop_lowering`` when done.
+    The programs not yet kept are cut into contiguous shares of about equal size (nodes): this
+    process lowers the first share itself, going forward, and each other share goes to one child,
+    as many children as ``forked.workers`` allows beside this process and those already running.
+    Programs with symbolic sizes are left out, and all are when forking is off. Returns the
+    fingerprints handed to children: pass them to ``stop_lowering`` when done.
     """
-    if workers() < 2:
-        return []
+    children = len({id(child) for child, _ in _PENDING.values()})
+    free = workers() - 1 - children
     todo: dict[str, Program] = {}
     for program in programs:
-        key = _fingerprint(*program)
-        if key is not None and key not in _PROGRAMS and key not in _PENDING and key not in _QUEUED:
+        key = _fingerprint(*program) if free > 0 else None
+        if key is not None and key not in _PROGRAMS and key not in _PENDING:
             todo.setdefault(key, program)
-    handed = list(todo)[1:]
-    for key in handed:
-        _QUEUED[key] = todo[key]
-    _fill()
+    if len(todo) < 2:
+        return []
+    keys = list(todo)
+    shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + 1, len(keys)))
+    handed: list[str] = []
+    for group in shares[1:]:
+        group_keys = [keys[i] for i in group]
+        group_programs = [todo[k] for k in group_keys]
+        nodes = sum(len(gm.graph.nodes) for gm, _, _ in group_programs)
+        what = f"{len(group_programs)} program{'s' * (len(group_programs) > 1)} ({nodes} nodes)"
+
+        def lower(group_programs=group_programs) -> list[list[tuple]]:
+            return [inductor_program_events(gm, is_backward=b, donated=d) for gm, b, d in group_programs]
+
+        child = fork_call(lower, what)
+        for k in group_keys:
+            _PENDING[k] = (child, group_keys)
+        handed += group_keys
     return handed
 
 
-def _fill() -> None:
-    """Fork children for the queued programs, the last queued first, while workers are free."""
-    free = workers() - 1 - len(_PENDING)
-    while free > 0 and _QUEUED:
-        key, (gm, is_backward, donated) = _QUEUED.popitem(last=True)
-        what = f"the {'backward' if is_backward else 'forward'} ({len(gm.graph.nodes)} nodes)"
+def _shares(sizes: list[int], parts: int) -> list[list[int]]:
+    """``range(len(sizes))`` cut into ``parts`` contiguous, non-empty groups of about equal total size."""
+    total, groups, start = sum(sizes), [], 0
+    for part in range(parts):
+        left = parts - part - 1  # groups still to come after this one, one item each at least
+        end, taken = start + 1, sizes[start]
+        target = total * (part + 1) / parts
+        done = sum(sizes[:start]) + taken
+        while end < len(sizes) - left and abs(done + sizes[end] - target) < abs(done - target):
+            done += sizes[end]
+            end += 1
+        if part == parts - 1:
+            end = len(sizes)
+        groups.append(list(range(start, end)))
+        start = end
+    return groups
 
-        def lower(gm=gm, is_backward=is_backward, donated=donated) -> list[tuple]:
-            return inductor_program_events(gm, is_backward=is_backward, donated=donated)
 
-        _PENDING[key] = fork_call(lower, what)
-        free -= 1
+def _collect(key: str) -> list[tuple] | None:
+    """The events of ``key`` from the child lowering it (its whole share is kept), or None when it failed."""
+    child, group = _PENDING[key]
+    for k in group:
+        _PENDING.pop(k, None)
+    ok, answer = child.result()
+    if not ok:
+        log.info("fxremat: the forked dry lowering of %s failed (%s); lowering it here", child.what, answer)
+        return None
+    for k, events in zip(group, cast(list, answer)):
+        _PROGRAMS[k] = events
+    return _PROGRAMS[key]
 
 
 def stop_lowering(keys: list[str]) -> None:
-    """Drop the queued programs of ``keys`` and end their children whose events were not taken (the
-    judgement that wanted them is over)."""
+    """End the children lowering ``keys`` whose events were not taken (the judgement that wanted them is over)."""
     for key in keys:
-        _QUEUED.pop(key, None)
-        child = _PENDING.pop(key, None)
-        if child is not None:
+        if key in _PENDING:
+            child, group = _PENDING[key]
+            for k in group:
+                _PENDING.pop(k, None)
             child.cancel()
 
 
 def forget_programs() -> None:
     """Drop the programs ``program_events`` kept (tests that count or replace lowerings)."""
     _PROGRAMS.clear()
-    stop_lowering([*_PENDING, *_QUEUED])
+    stop_lowering(list(_PENDING))
 
 
 def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | None) -> str | None:
