@@ -57,7 +57,10 @@ def test_workers_setting(monkeypatch):
             forked.workers()
     monkeypatch.setenv(forked.ENV_WORKERS, "8")
     assert forked.workers() <= len(os.sched_getaffinity(0))
-    # A forked child cannot use CUDA: no child once it is initialized.
+    # Not where a forked child cannot use what this process holds: CUDA, or macOS's frameworks.
+    monkeypatch.setattr(forked.sys, "platform", "darwin")
+    assert forked.workers() == 1
+    monkeypatch.setattr(forked.sys, "platform", "linux")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert forked.workers() == 1
 

@@ -14,7 +14,8 @@ line.
 
 A child is forked only where that is safe and can help:
 
-- on a POSIX system (``os.fork``), with at least two CPUs this process may use;
+- on Linux (``os.fork``; macOS's system frameworks are not safe to use in a forked
+  child, which is why Python spawns there), with at least two CPUs this process may use;
 - never once CUDA is initialized in this process (a forked child cannot use it);
 - ``FXREMAT_LOWERING_WORKERS`` (an int) caps the processes lowering at once, this one
   included; ``1`` turns forking off.
@@ -27,6 +28,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +65,7 @@ def workers() -> int:
             raise ValueError(f"{ENV_WORKERS}={wanted} must be at least 1 (1 turns forked lowering off)")
     else:
         wanted = MAX_WORKERS
-    if not hasattr(os, "fork") or torch.cuda.is_initialized():
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork") or torch.cuda.is_initialized():
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(wanted, cpus))
@@ -104,6 +106,9 @@ class Child:
             except Exception as e:  # noqa: BLE001 - a child that died mid-write: lowered here instead
                 return False, f"its answer could not be read ({type(e).__name__}: {e})"
             return bool(ok), value
+        except BaseException:  # interrupted while waiting (Ctrl-C): the child's answer is not wanted
+            os.kill(self.pid, signal.SIGKILL)
+            raise
         finally:
             os.close(self.fd)
             _reap(self.pid)
