@@ -349,12 +349,20 @@ def _lower_ahead(analysis: Analysis, decisions: list[Decision], options: Options
     (``inductor_memory.start_lowering``), in the order ``lower`` asks for them; the fingerprints handed out."""
     if not analysis.fusion or forked_workers() < 2:
         return []
-    programs = []
+    pairs = []
     for decision in decisions:
         fw, bw, _ = _programs(analysis, decision, options)
-        judged = _judged_backward(analysis, bw, options)
-        programs += [(fw, False, None), (judged, True, donated_inputs(fw, judged, analysis.num_fwd_outputs))]
-    return start_lowering(programs)
+        pairs.append((fw, _judged_backward(analysis, bw, options)))
+    return _lower_beside(analysis, pairs)
+
+
+def _lower_beside(analysis: Analysis, pairs: list[tuple[fx.GraphModule, fx.GraphModule]]) -> list[str]:
+    """Start the dry lowerings of (forward, judged backward) pairs in forked children, in the order
+    ``predict_step`` asks for them; the fingerprints handed out (none when forking is off)."""
+    if not analysis.fusion or forked_workers() < 2:
+        return []
+    n = analysis.num_fwd_outputs
+    return start_lowering([p for fw, bw in pairs for p in ((fw, False, None), (bw, True, donated_inputs(fw, bw, n)))])
 
 
 def _judge_programs(
@@ -383,7 +391,7 @@ def _judge_programs(
     if known is not None:
         return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1])
     # The backward is lowered in a forked child while this process lowers the forward (passes/forked.py).
-    forked = start_lowering([(fw, False, None), (judged, True, donated_inputs(fw, judged, analysis.num_fwd_outputs))])
+    forked = _lower_beside(analysis, [(fw, judged)])
     try:
         step = predict_step(
             fw,

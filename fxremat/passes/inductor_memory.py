@@ -292,9 +292,11 @@ def start_lowering(programs: list[Program]) -> list[str]:
     """
     children = len({id(child) for child, _ in _PENDING.values()})
     free = workers() - 1 - children
+    if free <= 0:
+        return []
     todo: dict[str, Program] = {}
     for program in programs:
-        key = _fingerprint(*program) if free > 0 else None
+        key = _fingerprint(*program)
         if key is not None and key not in _PROGRAMS and key not in _PENDING:
             todo.setdefault(key, program)
     if len(todo) < 2:
