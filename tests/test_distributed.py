@@ -45,7 +45,11 @@ ATOL = 1e-5
 RTOL = 1e-4
 WORLD = 2
 BATCH = 8  # per rank
-TIMEOUT_S = 180  # whole run; the process group's own timeout is shorter
+# Whole run, and the process group's own timeout (longer than the rank sync timeout below, as
+# fxremat/ranks.py requires). Bounds against a hang, not speed: on a 2-core host running the suite
+# beside other work the run took most of the former 180 s.
+TIMEOUT_S = 600
+GROUP_TIMEOUT_S = 300
 PARAM_BYTES = (32 * 64 + 64 + 64 * 64 + 64 + 64 + 1) * 4  # Net's parameters, fp32
 DDP_BUCKET_BYTES = 8192  # less than the model's 25 KiB of parameters: at least two buckets
 
@@ -156,7 +160,7 @@ def _train_step(mode: str, rank: int, budget: int, out: Path) -> dict:
 
 def _worker(out: str, budget: int) -> None:
     out_dir = Path(out)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     rank = dist.get_rank()
     results = {
         mode: _train_step(mode, rank, budget + (3 * PARAM_BYTES if mode == "fsdp2" else 0), out_dir)
