@@ -22,6 +22,8 @@ __all__ = [
     "functorch_config",
     "inductor_config",
     "no_autograd_cache",
+    "keyed_by_program",
+    "dynamo_context_now",
     "compiler_config_digest",
     "prepare_joint",
     "classify_nodes",
@@ -133,6 +135,31 @@ def no_autograd_cache():
     """AOTAutograd's cache would serve a partitioned graph without calling the partitioner
     (no Plan to inspect); with it off the joint graph is re-planned."""
     return functorch_config.patch(enable_autograd_cache=False)
+
+
+def keyed_by_program():
+    """Inductor keys its FX graph cache on ``custom_partitioner_fn``'s uuid even when it compiles a
+    program the partitioner already made; without it, a program a re-plan left unchanged is a hit."""
+    return inductor_config.patch(custom_partitioner_fn=None)
+
+
+# Inductor's FX graph cache reads the shape environment of Dynamo's TracingContext (torch._guards):
+# a graph compiled again after a step, outside it, bypasses the cache ("No shape env").
+def dynamo_context_now():
+    """A factory of context managers that re-enter, later, the tracing context Dynamo compiles the
+    current frame in (None outside one), and the graph's example inputs as Dynamo made them."""
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+
+    context = TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return None
+
+    def again():
+        return tracing(context) if context is not None else contextlib.nullcontext()
+
+    return again
 
 
 # Inductor's and AOTAutograd's settings change the programs a plan is judged on (private config modules).

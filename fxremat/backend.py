@@ -26,6 +26,7 @@ from ._torch_compat import (
     aot_autograd,
     compile_fx,
     min_cut_partition,
+    keyed_by_program,
     no_autograd_cache,
     torch_version_ok,
 )
@@ -100,6 +101,19 @@ def eager_compiler(gm: fx.GraphModule, example_inputs, **_kwargs) -> Callable:
     return run
 
 
+def _keyed_by_program(compile_program: Callable) -> Callable:
+    """``compile_program`` with Inductor's FX graph cache keyed on the program and its settings, not
+    on the partitioner that made it: a program a later plan of the graph leaves unchanged (the
+    forward after the first step shows the logits dropped) is then served from the cache, not
+    generated again. The partitioner has run by then; what it decided is the program itself."""
+
+    def compile_keyed(gm: fx.GraphModule, example_inputs, **kwargs):
+        with keyed_by_program():
+            return compile_program(gm, example_inputs, **kwargs)
+
+    return compile_keyed
+
+
 def build_compiler(options: Options, program_compiler: Callable | None = None) -> Callable[..., TrackedGraph]:
     """The one compile pipeline, for ``torch.compile`` and ``fxremat.explain`` alike.
 
@@ -157,7 +171,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             # Buffer reuse holds a dead buffer until a later allocation of its size takes it:
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.
             patches["allow_buffer_reuse"] = False
-        inner = handing_over(program_compiler or compile_fx.compile_fx_inner)
+        inner = handing_over(program_compiler or _keyed_by_program(compile_fx.compile_fx_inner))
         with no_autograd_cache():
             return compile_fx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, fsdp_groups
+from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, dynamo_context_now, fsdp_groups
 from .budget import BudgetError, format_bytes
 from .grads import on_hand_over
 from .options import Options
@@ -152,6 +152,7 @@ class TrackedGraph:
         self.options = options
         self.compile_graph = compile_graph
         self.source = copy_dynamo_graph(gm) if replannable else None
+        self.dynamo_context = dynamo_context_now() if replannable else None
         self.compiled: Callable | None = None
         self.plan: Plan | None = None
         self.pending: Options | None = None
@@ -310,7 +311,20 @@ class TrackedGraph:
             # matters more. Planning it whole again to compare would cost a plan and a compile.
             log.info("fxremat %s: the loss stays chunked, as its first plan chose", self.plan.graph)
             options = dataclasses.replace(options, chunk_loss="on")
-        self.compiled, self.plan = self.compile_graph(copy_dynamo_graph(self.source), list(args), options)
+        source = copy_dynamo_graph(self.source)
+        examples = [n.meta.get("example_value") for n in source.graph.find_nodes(op="placeholder")]
+        if (
+            self.dynamo_context is not None
+            and len(examples) == len(args)
+            and all(
+                isinstance(e, FakeTensor) or (isinstance(e, (int, torch.SymInt)) and not isinstance(a, torch.Tensor))
+                for e, a in zip(examples, args)
+            )
+        ):
+            with self.dynamo_context():
+                self.compiled, self.plan = self.compile_graph(source, examples, options)
+        else:
+            self.compiled, self.plan = self.compile_graph(source, list(args), options)
         self.returned_peak = None  # the new plan's prediction is its own
         if self.plan is not None:
             _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
