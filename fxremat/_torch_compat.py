@@ -147,19 +147,15 @@ def keyed_by_program():
 # a graph compiled again after a step, outside it, bypasses the cache ("No shape env").
 def dynamo_context_now():
     """A factory of context managers that re-enter, later, the tracing context Dynamo compiles the
-    current frame in (None outside one), and the graph's example inputs as Dynamo made them."""
-    import contextlib
+    current frame in; None outside one."""
+    import functools
 
     from torch._guards import TracingContext, tracing
 
     context = TracingContext.try_get()
     if context is None or context.fake_mode is None:
         return None
-
-    def again():
-        return tracing(context) if context is not None else contextlib.nullcontext()
-
-    return again
+    return functools.partial(tracing, context)
 
 
 # Inductor's and AOTAutograd's settings change the programs a plan is judged on (private config modules).

@@ -25,8 +25,8 @@ from ._torch_compat import (
     CustomPartitionerFn,
     aot_autograd,
     compile_fx,
-    min_cut_partition,
     keyed_by_program,
+    min_cut_partition,
     no_autograd_cache,
     torch_version_ok,
 )
