@@ -148,14 +148,25 @@ def keyed_by_program():
 def dynamo_context_now():
     """A factory of context managers that re-enter, later, the tracing context Dynamo compiles the
     current frame in; None outside one."""
-    import functools
+    import copy
 
     from torch._guards import TracingContext, tracing
 
     context = TracingContext.try_get()
     if context is None or context.fake_mode is None:
         return None
-    return functools.partial(tracing, context)
+
+    def reenter():
+        # DDPOptimizer splits one Dynamo graph into buckets that share this context and counts their
+        # forward compiles in it (``ddp_optimizer_ctx``); a re-plan is not one of its buckets, and a
+        # lazy backward compiled in the shared context would pop a bucket that is not there ("expected
+        # same # of fw and bw compiles"). So a re-plan gets a shallow copy without that counter, and
+        # what its compile writes there (``fw_metadata``) stays out of the buckets' context.
+        own = copy.copy(context)
+        own.ddp_optimizer_ctx = None
+        return tracing(own)
+
+    return reenter
 
 
 # Inductor's and AOTAutograd's settings change the programs a plan is judged on (private config modules).
