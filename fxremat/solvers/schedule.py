@@ -287,13 +287,14 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     peak_step = -1
 
     def last_uses(program):
-        pos = {v: i for i, v in enumerate(program)}
+        # Steps come in order, so the latest write of each entry is its last use.
+        ran = set(program) | kept_set
         last: dict[int, int] = {}
         for i, v in enumerate(program):
-            last[storage[v]] = max(last.get(storage[v], -1), i)
+            last[storage[v]] = i
             for u in inputs[v]:
-                if u in pos or u in kept_set:
-                    last[storage[u]] = max(last.get(storage[u], -1), i)
+                if u in ran:
+                    last[storage[u]] = i
         return last
 
     # Forward.
@@ -316,10 +317,15 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         alive[v] = problem.nbytes[v]
         return problem.nbytes[v]
 
+    nbytes = problem.nbytes
     for i, v in enumerate(forward):
-        if problem.nbytes[v] and storage[v] == v and v not in gone:
-            live += allocate(v, i, fw_last, held)
-        during = live + (scratch[v] if scratch else 0)
+        if nbytes[v] and storage[v] == v and v not in gone:
+            if v in into:
+                live += allocate(v, i, fw_last, held)
+            else:
+                alive[v] = nbytes[v]
+                live += nbytes[v]
+        during = live + scratch[v] if scratch else live
         steps.append((v, FORWARD, during))
         if during > peak:
             peak, peak_step = during, len(steps) - 1
@@ -345,9 +351,13 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     # A saved tensor that is also a user output is not donated to the backward.
     undonated = pinned | {storage[v] for v in problem.fw_outputs}
     for i, v in enumerate(backward):
-        if problem.nbytes[v] and storage[v] == v and v not in gone:
-            live += allocate(v, i, bw_last, undonated)
-        during = live + (scratch[v] if scratch else 0)
+        if nbytes[v] and storage[v] == v and v not in gone:
+            if v in into:
+                live += allocate(v, i, bw_last, undonated)
+            else:
+                alive[v] = nbytes[v]
+                live += nbytes[v]
+        during = live + scratch[v] if scratch else live
         steps.append((v, BACKWARD, during))
         if during > peak:
             peak, peak_step = during, len(steps) - 1

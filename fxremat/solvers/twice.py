@@ -76,43 +76,45 @@ def with_split(problem: RematProblem, split: Split) -> RematProblem:
     at, copies = split.at, split.copies
     k = len(copies)
     copy_of = {c: at + j for j, c in enumerate(copies)}
+    # Ids before ``at`` keep their number, and so do their inputs and storage (all earlier ids).
+    moved = list(range(at)) + list(range(at + k, problem.size + k))  # id -> new id
+    late = moved[:]  # what a node from ``at`` on reads in place of an id: its copy when it has one
+    for c, j in copy_of.items():
+        late[c] = j
+    new = moved.__getitem__
 
-    def new(i: int) -> int:
-        return i if i < at else i + k
+    def spliced(values: tuple) -> tuple:
+        return values[:at] + tuple(values[c] for c in copies) + values[at:]
 
-    def late(i: int) -> int:  # what a node from ``at`` on reads in place of ``i``
-        return copy_of.get(i, new(i))
-
-    order = list(range(at)) + list(copies) + list(range(at, problem.size))
-    inputs = [tuple(new(u) for u in problem.inputs[i]) for i in range(at)]
+    inputs = list(problem.inputs[:at])
     inputs += [tuple(sorted(copy_of.get(u, u) for u in problem.inputs[c])) for c in copies]
-    inputs += [tuple(sorted(late(u) for u in problem.inputs[i])) for i in range(at, problem.size)]
-    storage = [new(problem.storage[i]) for i in range(at)]
+    inputs += [tuple(sorted(map(late.__getitem__, problem.inputs[i]))) for i in range(at, problem.size)]
+    storage = list(problem.storage[:at])
     storage += [copy_of.get(problem.storage[c], problem.storage[c]) for c in copies]
-    storage += [late(problem.storage[i]) for i in range(at, problem.size)]
+    storage += map(late.__getitem__, problem.storage[at:])
     copied, fused = set(copies), set(problem.fused)
     inplace = []
     for w, b in problem.inplace:
         if w in copied:
             continue  # a copy writes into no dying buffer: Inductor plans its own
-        inplace.append((new(w), late(b) if w >= at else new(b)))
+        inplace.append((new(w), late[b] if w >= at else new(b)))
     return replace(
         problem,
-        names=tuple(problem.names[i] for i in order),  # a copy keeps its value's name
-        phase=tuple(BACKWARD if at <= n < at + k else problem.phase[i] for n, i in enumerate(order)),
+        names=spliced(problem.names),  # a copy keeps its value's name
+        phase=problem.phase[:at] + (BACKWARD,) * k + problem.phase[at:],
         inputs=tuple(inputs),
-        nbytes=tuple(problem.nbytes[i] for i in order),
+        nbytes=spliced(problem.nbytes),
         storage=tuple(storage),
-        seconds=tuple(problem.seconds[i] for i in order),
-        flops=tuple(problem.flops[i] for i in order),
+        seconds=spliced(problem.seconds),
+        flops=spliced(problem.flops),
         fw_outputs=tuple(new(i) for i in problem.fw_outputs),
         bw_outputs=tuple(new(i) for i in problem.bw_outputs),
         tangents=tuple(new(i) for i in problem.tangents),
         must_save=tuple(new(i) for i in problem.must_save),
         never_recompute=tuple(new(i) for i in problem.never_recompute),
         must_recompute=tuple(new(i) for i in problem.must_recompute),
-        layer=tuple(problem.layer[i] for i in order) if problem.layer else (),
-        scratch=tuple(problem.scratch[i] for i in order) if problem.scratch else (),
+        layer=spliced(problem.layer) if problem.layer else (),
+        scratch=spliced(problem.scratch) if problem.scratch else (),
         fused=tuple(sorted([new(i) for i in problem.fused] + [copy_of[c] for c in copies if c in fused])),
         inplace=tuple(sorted(set(inplace))),
         handed=tuple(new(i) for i in problem.handed),
@@ -137,9 +139,9 @@ class _Round:
                 self.readers[u].append(v)
         storage = problem.storage
         self.last = [-1] * problem.size  # last id reading each storage (through fused values too)
-        for v in range(problem.size):
+        for v in range(problem.size):  # in order: the latest write is the last read
             for u in self.reads[v]:
-                self.last[storage[u]] = max(self.last[storage[u]], v)
+                self.last[storage[u]] = v
         self.read_at_peak = {storage[u] for u in self.reads[self.peak_id]} | {storage[self.peak_id]}
         self.returned = frozenset(problem.bw_outputs)
 
