@@ -317,15 +317,10 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
         alive[v] = problem.nbytes[v]
         return problem.nbytes[v]
 
-    nbytes = problem.nbytes
     for i, v in enumerate(forward):
-        if nbytes[v] and storage[v] == v and v not in gone:
-            if v in into:
-                live += allocate(v, i, fw_last, held)
-            else:
-                alive[v] = nbytes[v]
-                live += nbytes[v]
-        during = live + scratch[v] if scratch else live
+        if problem.nbytes[v] and storage[v] == v and v not in gone:
+            live += allocate(v, i, fw_last, held)
+        during = live + (scratch[v] if scratch else 0)
         steps.append((v, FORWARD, during))
         if during > peak:
             peak, peak_step = during, len(steps) - 1
@@ -351,13 +346,9 @@ def liveness(problem: RematProblem, forward, backward, kept) -> Timeline:
     # A saved tensor that is also a user output is not donated to the backward.
     undonated = pinned | {storage[v] for v in problem.fw_outputs}
     for i, v in enumerate(backward):
-        if nbytes[v] and storage[v] == v and v not in gone:
-            if v in into:
-                live += allocate(v, i, bw_last, undonated)
-            else:
-                alive[v] = nbytes[v]
-                live += nbytes[v]
-        during = live + scratch[v] if scratch else live
+        if problem.nbytes[v] and storage[v] == v and v not in gone:
+            live += allocate(v, i, bw_last, undonated)
+        during = live + (scratch[v] if scratch else 0)
         steps.append((v, BACKWARD, during))
         if during > peak:
             peak, peak_step = during, len(steps) - 1
