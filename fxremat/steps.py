@@ -312,19 +312,13 @@ class TrackedGraph:
             log.info("fxremat %s: the loss stays chunked, as its first plan chose", self.plan.graph)
             options = dataclasses.replace(options, chunk_loss="on")
         source = copy_dynamo_graph(self.source)
-        examples = [n.meta.get("example_value") for n in source.graph.find_nodes(op="placeholder")]
-        if (
-            self.dynamo_context is not None
-            and len(examples) == len(args)
-            and all(
-                isinstance(e, FakeTensor) or (isinstance(e, (int, torch.SymInt)) and not isinstance(a, torch.Tensor))
-                for e, a in zip(examples, args)
-            )
-        ):
-            with self.dynamo_context():
-                self.compiled, self.plan = self.compile_graph(source, examples, options)
-        else:
+        context = self.dynamo_context
+        examples = None if context is None else _dynamo_examples(source, args)
+        if context is None or examples is None:
             self.compiled, self.plan = self.compile_graph(source, list(args), options)
+        else:
+            with context():
+                self.compiled, self.plan = self.compile_graph(source, examples, options)
         self.returned_peak = None  # the new plan's prediction is its own
         if self.plan is not None:
             _GRAPHS[self.plan.graph] = self  # later graphs find it by its new plan's name
@@ -414,6 +408,18 @@ class TrackedGraph:
         if self.plan is not None and torch.is_grad_enabled():
             _watch(out, args, self)
         return out
+
+
+def _dynamo_examples(gm: torch.fx.GraphModule, args) -> list | None:
+    """Dynamo's example values for ``gm``'s inputs (fake tensors, and ints or SymInts for the arguments that
+    are not tensors), or None when one is missing: then the real arguments stand for them."""
+    examples = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    if len(examples) != len(args):
+        return None
+    for e, a in zip(examples, args):
+        if not (isinstance(e, FakeTensor) or (isinstance(e, (int, torch.SymInt)) and not isinstance(a, torch.Tensor))):
+            return None
+    return examples
 
 
 _GRAPHS: "weakref.WeakValueDictionary[str, TrackedGraph]" = weakref.WeakValueDictionary()
