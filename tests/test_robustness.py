@@ -1027,6 +1027,49 @@ def test_inductor_cache_hit_still_records_a_plan(inductor_cache_runs):
     assert second[1]["plans"] == 1 and second[1]["plan_budget"] == CACHE_BUDGET_A, second[1]
 
 
+class _LossAndActivations(nn.Module):
+    """Returns the loss and the last activations, which the caller drops (as ``model(x).loss`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        return h.square().mean(), h
+
+
+def test_a_graph_planned_again_after_its_first_step_is_compiled_through_the_fx_graph_cache(monkeypatch, tmp_path):
+    # The re-plan (the outputs dropped) compiled outside Dynamo's tracing context, where Inductor's FX graph
+    # cache finds no shape environment and is bypassed ("No shape env"): its programs were generated again
+    # in every run. Compiled inside it, they are looked up, and a later compile of the same model finds them.
+    from torch._dynamo.utils import counters
+
+    from fxremat._torch_compat import inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile finds nothing
+    torch.manual_seed(0)
+    model, x = _LossAndActivations(), torch.randn(16, 32)
+    options = {"budget": 1, "on_infeasible": "min"}
+    lookups = []
+    with inductor_config.patch(fx_graph_cache=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the budget is out of reach, as asked
+        for _ in range(2):  # the second time, every program the first made is in the cache
+            torch._dynamo.reset()
+            fxremat.clear_plans()
+            counters.clear()
+            model.zero_grad(set_to_none=True)  # both times, the first step makes .grad
+            compiled = torch.compile(model, backend="fxremat", options=options)
+            for _ in range(2):  # the first step shows the outputs dropped; the second runs the re-plan
+                compiled(x)[0].backward()
+            assert len(fxremat.plans()) == 2, [p.summary() for p in fxremat.plans()]
+            lookups.append(dict(counters["inductor"]))
+    first, again = lookups
+    assert "fxgraph_cache_bypass" not in first and "fxgraph_cache_hit" not in first, lookups
+    assert again.get("fxgraph_cache_hit") == first.get("fxgraph_cache_miss") >= 3, lookups  # re-plan included
+    assert "fxgraph_cache_miss" not in again and "fxgraph_cache_bypass" not in again, lookups
+
+
 def test_recompiles_of_one_frame_get_the_whole_budget():
     # A changed thread count and a new batch size recompile the same frame after the previous
     # step's backward: nothing else holds memory, so each plan gets the whole budget.
