@@ -3,8 +3,10 @@ passes/twice.py), checked on the plain problem and on a model compiled whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -69,6 +71,32 @@ def test_splits_compute_the_same_values_and_never_raise_the_peak(p, data):
         assert origin[out.storage[v]] == program.storage[origin[v]]
     # Only values that may run again are copied.
     assert {origin[v] for v in range(out.size) if copy[v]} <= set(again)
+    # ``with_split`` builds its problems unchecked (``RematProblem.derived``): they pass the checks.
+    dataclasses.replace(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_reads_through_virtual_values_are_their_transitive_reads(p, data):
+    virtual_ids = frozenset(
+        data.draw(st.sets(st.sampled_from(range(p.size)))) & {v for v in range(p.size) if p.storage[v] == v}
+    )
+    got = schedule.reads(p, virtual_ids)
+    want: list[set[int]] = []
+    for v in range(p.size):
+        here: set[int] = set()
+        for u in p.inputs[v]:
+            here |= want[u] if p.storage[u] in virtual_ids else {u}
+        want.append(here)
+    assert [set(r) for r in got] == want
+
+
+def test_a_derived_problem_changes_only_what_it_is_given():
+    p = chain(4)
+    q = p.derived(names=tuple(f"renamed{i}" for i in range(p.size)))
+    assert q.names[0] == "renamed0" and p.names[0] != "renamed0" and q.inputs is p.inputs
+    with pytest.raises(TypeError, match="no field 'nodes'"):
+        p.derived(nodes=())
 
 
 def test_nested_checkpoints_lower_the_least_peak_of_a_chain():

@@ -245,19 +245,29 @@ def virtual(problem: RematProblem, kept) -> frozenset[int]:
 
 def reads(problem: RematProblem, virtual_ids: frozenset[int]) -> tuple[tuple[int, ...], ...]:
     """The values each node reads from memory: a virtual value's own reads stand in for it
-    (its consumers' kernels compute it from them), transitively."""
+    (its consumers' kernels compute it from them), transitively. Each entry is a set of ids
+    (order and repeats carry no meaning)."""
     if not virtual_ids:
         return problem.inputs
     storage = problem.storage
+    virtual_of = [s in virtual_ids for s in storage]  # id -> it lives in a virtual value
     out: list[tuple[int, ...]] = []
-    for v in range(problem.size):
+    for ins in problem.inputs:
+        for u in ins:
+            if virtual_of[u]:
+                break
+        else:
+            # Reads no virtual value: its own inputs (most nodes; every reader of this result
+            # takes an entry as a set, so order and repeats do not matter).
+            out.append(ins)
+            continue
         got: set[int] = set()
-        for u in problem.inputs[v]:
-            if storage[u] in virtual_ids:
+        for u in ins:
+            if virtual_of[u]:
                 got.update(out[u])
             else:
                 got.add(u)
-        out.append(tuple(sorted(got)))
+        out.append(tuple(got))
     return tuple(out)
 
 

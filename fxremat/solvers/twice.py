@@ -19,7 +19,7 @@ work (simulations x nodes), never by the clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import schedule
 from .schedule import Timeline, liveness, reads, virtual
@@ -100,8 +100,7 @@ def with_split(problem: RematProblem, split: Split) -> RematProblem:
         if w in copied:
             continue  # a copy writes into no dying buffer: Inductor plans its own
         inplace.append((new(w), late[b] if w >= at else new(b)))
-    return replace(
-        problem,
+    return problem.derived(
         names=spliced(problem.names),  # a copy keeps its value's name
         phase=problem.phase[:at] + (BACKWARD,) * k + problem.phase[at:],
         inputs=tuple(inputs),
