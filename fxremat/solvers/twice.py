@@ -38,7 +38,9 @@ __all__ = [
 ]
 
 # Simulations x program nodes one search may spend: about 2 s on 1,000- to 1,500-node
-# programs on this project's 2-core machine (liveness replays ~1.5 ms per 1,000 nodes).
+# programs on this project's 2-core machine (liveness replays ~1.5 ms per 1,000 nodes). Programs
+# Inductor fuses replay slower: a trial on HF GPT-2's 1,237-node programs (benchmark size) took
+# about 6 ms with its split, so a nested search there spends ~6 s on its work.
 TWICE_MAX_WORK = 1_500_000
 # Splits one plan may take; each adds a recomputation (and Inductor code) to the backward.
 TWICE_MAX_SPLITS = 64
