@@ -213,3 +213,35 @@ def test_the_plan_cache_gives_the_same_nested_plan_without_searching(tmp_path, m
         first.again,
         first.predicted_peak,
     )
+
+
+def _programs_by_walking(p, kept, recomputed):
+    """``schedule.programs`` as first written: every walk from scratch, nothing remembered per problem."""
+    fw_nodes = p.forward_ids()
+    forward = sorted(schedule.ancestors(p, list(p.fw_outputs) + list(kept), fw_nodes))
+    tangents = list(p.tangents)
+    within = {v for v in range(p.size) if v not in fw_nodes}.union(recomputed)
+    needed = schedule.ancestors(p, p.bw_outputs + p.handed, within) - set(tangents)
+    readers = [v for v in sorted(needed) if any(u in set(tangents) for u in p.inputs[v])]
+    done, backward = set(tangents), list(tangents)
+    if not readers:
+        return tuple(forward), tuple(backward) + tuple(sorted(needed))
+    for group in ([v for v in sorted(needed) if v >= readers[0]], None):
+        for v in sorted(needed - done) if group is None else group:
+            if v in done:
+                continue
+            for u in sorted(schedule.ancestors(p, [v], needed - done)):
+                done.add(u)
+                backward.append(u)
+    return tuple(forward), tuple(backward)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_programs_remembering_the_backward_walk_as_walking_it_each_time(p, data):
+    # ``schedule.programs`` keeps what the gradients reach through the backward alone per problem and
+    # walks only from the recomputed values on: the same programs for every plan of the problem.
+    for _ in range(3):
+        kept = data.draw(st.sets(st.sampled_from(sorted(p.forward_ids())))) if p.forward_ids() else set()
+        kept, recomputed = schedule.close(p, kept)
+        assert schedule.programs(p, kept, recomputed) == _programs_by_walking(p, kept, recomputed)

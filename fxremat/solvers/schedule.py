@@ -175,6 +175,44 @@ def _pending_ancestors(problem: RematProblem, v: int, needed: set[int], done: se
     return seen
 
 
+@dataclass(frozen=True)
+class _BackwardPart:
+    """What ``programs`` needs of a problem whatever the plan, found once per problem."""
+
+    forward: frozenset[int]
+    """The forward's ids."""
+    reached: frozenset[int]
+    """Ids the returned and handed gradients reach through non-forward ids alone."""
+    doors: tuple[int, ...]
+    """Forward ids that nodes of ``reached`` read (or that are roots): recomputing one opens a way on."""
+    first_reader: int | None
+    """The least id of ``reached`` (tangents aside) that reads a tangent."""
+
+
+def _backward_part(problem: RematProblem) -> _BackwardPart:
+    forward = problem.forward_ids()
+    tangents = set(problem.tangents)
+    roots = list(problem.bw_outputs + problem.handed)
+    non_forward = _NonForward(forward)
+    reached = ancestors(problem, roots, non_forward)
+    doors = {r for r in roots if r in forward} | {u for v in reached for u in problem.inputs[v] if u in forward}
+    readers = [v for v in reached - tangents if any(u in tangents for u in problem.inputs[v])]
+    return _BackwardPart(forward, frozenset(reached), tuple(sorted(doors)), min(readers, default=None))
+
+
+class _NonForward:
+    """The ids outside ``forward``, as a container (``ancestors``' ``within``)."""
+
+    def __init__(self, forward: frozenset[int], recomputed=()) -> None:
+        self.forward, self.recomputed = forward, recomputed
+
+    def __contains__(self, v: object) -> bool:
+        return v not in self.forward or v in self.recomputed
+
+
+_BACKWARD_PARTS: PerProblem[_BackwardPart] = PerProblem(_backward_part)
+
+
 def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Forward and backward programs (node ids in execution order).
 
@@ -187,19 +225,34 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     ``reordering_to_mimic_autograd_engine``, which ``passes/apply.py`` runs on
     the real backward graph.
     """
-    fw_nodes = problem.forward_ids()
+    part = _BACKWARD_PARTS.get(problem)
+    fw_nodes = part.forward
     forward = sorted(ancestors(problem, list(problem.fw_outputs) + list(kept), fw_nodes))
     tangents = list(problem.tangents)
-    bw_or_recomputed = {v for v in range(problem.size) if v not in fw_nodes}.union(recomputed)
-    needed = ancestors(problem, problem.bw_outputs + problem.handed, bw_or_recomputed) - set(tangents)
     tangent_set = set(tangents)
-    readers = [v for v in sorted(needed) if any(u in tangent_set for u in problem.inputs[v])]
+    # What the gradients need: what they reach through the backward alone (the same for every plan),
+    # and what they reach through the recomputed values (a walk from the recomputed "doors" on).
+    recomputed = set(recomputed)
+    within = _NonForward(fw_nodes, recomputed)
+    extra: set[int] = set()
+    stack = [u for u in part.doors if u in recomputed]
+    while stack:
+        v = stack.pop()
+        if v in extra or v in part.reached:
+            continue
+        extra.add(v)
+        stack.extend(u for u in problem.inputs[v] if u in within and u not in extra and u not in part.reached)
+    needed = (extra | part.reached) - tangent_set
+    readers = [v for v in extra - tangent_set if any(u in tangent_set for u in problem.inputs[v])]
+    if part.first_reader is not None:
+        readers.append(part.first_reader)
     done: set[int] = set(tangents)
     backward: list[int] = list(tangents)
     if not readers:
         return tuple(forward), tuple(backward) + tuple(sorted(needed))
+    first = min(readers)
     for v in sorted(needed):
-        if v < readers[0] or v in done:
+        if v < first or v in done:
             continue
         for u in sorted(_pending_ancestors(problem, v, needed, done)):
             done.add(u)
