@@ -250,21 +250,31 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     backward: list[int] = list(tangents)
     if not readers:
         return tuple(forward), tuple(backward) + tuple(sorted(needed))
-    first = min(readers)
-    for v in sorted(needed):
-        if v < first or v in done:
-            continue
+    inputs = problem.inputs
+
+    def run(v: int) -> None:
+        """Run ``v``, after what it needs that has not run (ids ascend: all of it is earlier)."""
+        for u in inputs[v]:
+            if u in needed and u not in done:
+                break
+        else:  # nothing pending (most nodes): ``v`` alone
+            done.add(v)
+            backward.append(v)
+            return
         for u in sorted(_pending_ancestors(problem, v, needed, done)):
             done.add(u)
             backward.append(u)
+
+    first = min(readers)
+    for v in sorted(needed):
+        if v >= first and v not in done:
+            run(v)
     # Needed nodes that no node from the first tangent reader on leads to (a
     # returned gradient that depends on no tangent, placed before the first
     # tangent reader) run last: PyTorch's ordering inserts them when it
     # reaches the output node.
     for v in sorted(needed - done):
-        for u in sorted(_pending_ancestors(problem, v, needed, done)):
-            done.add(u)
-            backward.append(u)
+        run(v)
     return tuple(forward), tuple(backward)
 
 
