@@ -226,13 +226,17 @@ def _programs_by_walking(p, kept, recomputed):
     done, backward = set(tangents), list(tangents)
     if not readers:
         return tuple(forward), tuple(backward) + tuple(sorted(needed))
-    for group in ([v for v in sorted(needed) if v >= readers[0]], None):
-        for v in sorted(needed - done) if group is None else group:
-            if v in done:
-                continue
-            for u in sorted(schedule.ancestors(p, [v], needed - done)):
-                done.add(u)
-                backward.append(u)
+
+    def run(v):
+        for u in sorted(schedule.ancestors(p, [v], needed - done)):
+            done.add(u)
+            backward.append(u)
+
+    for v in sorted(needed):
+        if v >= readers[0] and v not in done:
+            run(v)
+    for v in sorted(needed - done):
+        run(v)
     return tuple(forward), tuple(backward)
 
 

@@ -193,21 +193,21 @@ def _backward_part(problem: RematProblem) -> _BackwardPart:
     forward = problem.forward_ids()
     tangents = set(problem.tangents)
     roots = list(problem.bw_outputs + problem.handed)
-    non_forward = _NonForward(forward)
-    reached = ancestors(problem, roots, non_forward)
+    reached = ancestors(problem, roots, _Walkable(forward))
     doors = {r for r in roots if r in forward} | {u for v in reached for u in problem.inputs[v] if u in forward}
     readers = [v for v in reached - tangents if any(u in tangents for u in problem.inputs[v])]
     return _BackwardPart(forward, frozenset(reached), tuple(sorted(doors)), min(readers, default=None))
 
 
-class _NonForward:
-    """The ids outside ``forward``, as a container (``ancestors``' ``within``)."""
+class _Walkable:
+    """``ancestors``' ``within`` for ``programs``: ids outside ``forward`` or in ``recomputed``, less ``walked``
+    (a container, so that no set of the problem's size is built per plan)."""
 
-    def __init__(self, forward: frozenset[int], recomputed=()) -> None:
-        self.forward, self.recomputed = forward, recomputed
+    def __init__(self, forward: frozenset[int], recomputed=(), walked=frozenset()) -> None:
+        self.forward, self.recomputed, self.walked = forward, recomputed, walked
 
     def __contains__(self, v: object) -> bool:
-        return v not in self.forward or v in self.recomputed
+        return (v not in self.forward or v in self.recomputed) and v not in self.walked
 
 
 _BACKWARD_PARTS: PerProblem[_BackwardPart] = PerProblem(_backward_part)
@@ -233,15 +233,8 @@ def programs(problem: RematProblem, kept, recomputed) -> tuple[tuple[int, ...], 
     # What the gradients need: what they reach through the backward alone (the same for every plan),
     # and what they reach through the recomputed values (a walk from the recomputed "doors" on).
     recomputed = set(recomputed)
-    within = _NonForward(fw_nodes, recomputed)
-    extra: set[int] = set()
-    stack = [u for u in part.doors if u in recomputed]
-    while stack:
-        v = stack.pop()
-        if v in extra or v in part.reached:
-            continue
-        extra.add(v)
-        stack.extend(u for u in problem.inputs[v] if u in within and u not in extra and u not in part.reached)
+    doors = [u for u in part.doors if u in recomputed]
+    extra = ancestors(problem, doors, _Walkable(fw_nodes, recomputed, part.reached))
     needed = (extra | part.reached) - tangent_set
     readers = [v for v in extra - tangent_set if any(u in tangent_set for u in problem.inputs[v])]
     if part.first_reader is not None:
