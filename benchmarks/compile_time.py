@@ -75,6 +75,8 @@ def run_row(model_name: str, strategy: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(STEPS):
+            # As a training loop's optimizer.zero_grad() leaves them: no .grad before the backward.
+            work.model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             work.loss(fn).backward()
             times.append(time.perf_counter() - start)
