@@ -659,9 +659,7 @@ def _no_budget(
     floor = NO_BUDGET_MIN_GAIN_BYTES
     worth = min((1 - NO_BUDGET_MIN_GAIN) * quickest.decision.peak_bytes, quickest.decision.peak_bytes - floor)
     if slack <= 0 or worth <= 0:
-        return Choice(
-            quickest, fastest, True, quickest.decision.note, time.perf_counter() - started, UNKNOWN
-        )
+        return Choice(quickest, fastest, True, quickest.decision.note, time.perf_counter() - started, UNKNOWN)
     within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"
     found = [
         (solve_within(problem, slack, options.solver, solve_options, quickest.decision), f"the least peak {within}")
