@@ -63,8 +63,14 @@ AUTO_TIED_MAX_RELEVANT = 1000
 # then takes up to 4 s of CPU (2.8 s by the clock before) and returns the ILP's
 # plan at 9 of 12, 3-8% faster than min-cut's at the 5 where the clock-limited
 # ILP had been cut short. Halving the work saved nothing: the cost of the hard
-# rounds is HiGHS's root processing, not the nodes.
-AUTO_MILP_NODE_WORK = 10_000
+# rounds is HiGHS's root processing, not the nodes. On the small HF graphs of the
+# zoo (tests/zoo.py, 2-layer GPT-2 and Llama: 500-900 columns) it is the other way
+# round: strong branching makes a node cost 0.2-0.5 s, and the root's plan was the
+# last found in 8 of 9 solves. Over the 33 ILP runs of tests/test_backend.py's zoo
+# budgets, 5,000 gave plans of the same recompute time in all 33 (one a different
+# kept set of equal time) in 92 s instead of 148; on the synthetic transformers the
+# same plans at all 12 budgets, 21 s instead of 25. 2,500 gave 3 plans up to 8.9% slower.
+AUTO_MILP_NODE_WORK = 5_000
 # At most 3 rounds ran in those solves; 10 leave room on small graphs, where a
 # round costs milliseconds, and bound the root work (<= 1 s a round) on large ones.
 AUTO_MILP_ROUNDS = 10
