@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     budget = fxremat.parse_budget(args.budget or ("3.5MiB" if args.small else "64MiB"))
-    lengths = [32, 64, 128, 256, 512] if args.small else [64, 128, 256, 512, 1024, 2048, 4096]
+    lengths = [32, 64, 128, 256] if args.small else [64, 128, 256, 512, 1024, 2048, 4096]
     model = build(args.small, max(lengths))
     print(f"budget {format_bytes(budget)}, batch {args.batch}, lengths {lengths}")
 
