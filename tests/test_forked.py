@@ -105,7 +105,7 @@ def test_forked_lowerings_give_the_plan_of_lowerings_here(monkeypatch, forking, 
     started = _forks_counted(monkeypatch)
     there = _explain()
     # Programs went to children (each plan's backward while this process lowered its forward; with no
-    # budget the later candidates' programs while this process lowered the first's).
+    # budget the quickest plan's programs while this process searched for the other candidates).
     assert started, started
     _same(there, lowered_here)
 
@@ -150,6 +150,21 @@ def test_this_process_lowers_the_first_share_and_a_child_the_rest(monkeypatch, f
     assert len(started) == 1
     inductor_memory.stop_lowering(handed)  # nothing left to end
     assert inductor_memory.start_lowering(programs) == []  # all kept now
+
+
+def test_a_process_with_other_work_hands_every_share_to_a_child(monkeypatch, forking):
+    """``here=False`` (this process searches meanwhile): the one worker beside it takes all the programs."""
+    programs = [(_pointwise((2, 3, n)), False, None) for n in (8, 9)]
+    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, _, _ in programs]
+    inductor_memory.forget_programs()
+    started = _forks_counted(monkeypatch)
+    handed = inductor_memory.start_lowering(programs[:1], here=False)  # one program is worth a child too
+    assert len(handed) == 1 and started == ["1 program (5 nodes)"], (handed, started)
+    inductor_memory.stop_lowering(handed)
+    handed = inductor_memory.start_lowering(programs, here=False)
+    assert len(handed) == 2 and started[1:] == ["2 programs (10 nodes)"], (handed, started)
+    events = [inductor_memory.program_events(gm, is_backward=False) for gm, _, _ in programs]
+    assert events == here and len(started) == 2
 
 
 def test_shares_are_contiguous_and_balanced():

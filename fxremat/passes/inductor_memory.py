@@ -280,13 +280,14 @@ def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] 
     return events
 
 
-def start_lowering(programs: list[Program]) -> list[str]:
+def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
     """Lower ``programs`` ((graph, is_backward, donated) each, in the order this process will ask
     ``program_events`` for them) in forked children; ``program_events`` then takes their events.
 
-    The programs not yet kept are cut into contiguous shares of about equal size (nodes): this
-    process lowers the first share itself, going forward, and each other share goes to one child,
-    as many children as ``forked.workers`` allows beside this process and those already running.
+    The programs not yet kept are cut into contiguous shares of about equal size (nodes), one
+    child each, as many children as ``forked.workers`` allows beside this process and those already
+    running. With ``here``, this process lowers the first share itself, going forward; without, it
+    has other work to do meanwhile (a search) and every share goes to a child.
     Programs with symbolic sizes are left out, and all are when forking is off. Returns the
     fingerprints handed to children: pass them to ``stop_lowering`` when done.
     """
@@ -299,12 +300,12 @@ def start_lowering(programs: list[Program]) -> list[str]:
         key = _fingerprint(*program)
         if key is not None and key not in _PROGRAMS and key not in _PENDING:
             todo.setdefault(key, program)
-    if len(todo) < 2:
+    if len(todo) < (2 if here else 1):
         return []
     keys = list(todo)
-    shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + 1, len(keys)))
+    shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + here, len(keys)))
     handed: list[str] = []
-    for group in shares[1:]:
+    for group in shares[1:] if here else shares:
         group_keys = [keys[i] for i in group]
         group_programs = [todo[k] for k in group_keys]
         nodes = sum(len(gm.graph.nodes) for gm, _, _ in group_programs)
