@@ -596,3 +596,32 @@ def test_mincut_reuses_its_cuts_across_solves_of_one_problem():
     mincut._CUTTERS.clear()
     fresh = [solve(p, t, "mincut") for t in targets]
     assert [d.kept for d in first] == [d.kept for d in again] == [d.kept for d in fresh]
+
+
+def test_auto_leaves_the_ilp_out_where_only_the_greedy_least_peak_search_fits(monkeypatch):
+    """Near the least peak no min-cut plan fits and each MILP round's plan peaks over until the node
+    limit: ``auto`` keeps the greedy search's plan without a solve (registry.py, the measurements)."""
+    from fxremat.solvers import mincut, registry
+
+    p = transformer(layers=2)
+    least = solve_mincut(p, 1)
+    # What solve_mincut writes when the greedy search ran (more free values than the exhaustive search tries).
+    monkeypatch.setattr(mincut, "EXHAUSTIVE_MAX_CHOICES", 0)
+    below = solve_mincut(p, least.peak_bytes - 1)
+    assert not below.feasible and mincut.searched_greedily(below), below.note
+    assert not mincut.searched_greedily(solve_mincut(p, None))
+
+    fits = replace(below, peak_bytes=least.peak_bytes, feasible=True)
+
+    def no_ilp(*args, **kwargs):
+        raise AssertionError("the ILP ran")
+
+    monkeypatch.setattr(registry, "solve_mincut", lambda *args, **kwargs: fits)
+    monkeypatch.setattr(registry, "solve_ilp", no_ilp)
+    d = registry.solve_auto(p, least.peak_bytes)
+    assert d.kept == fits.kept and d.solver == "auto:mincut"
+    assert "ILP skipped: no min-cut plan fits" in d.note, d.note
+    # Where the greedy plan does not fit either, the ILP still looks (a budget below the least peak).
+    monkeypatch.setattr(registry, "solve_mincut", lambda *args, **kwargs: below)
+    with pytest.raises(AssertionError, match="the ILP ran"):
+        registry.solve_auto(p, least.peak_bytes - 1)

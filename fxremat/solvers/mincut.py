@@ -60,7 +60,14 @@ from .memo import PerProblem
 from .rules import Deadline, Rules, admit, best, rank, report_progress, rules
 from .types import Decision, RematProblem, SolveOptions
 
-__all__ = ["solve_mincut", "least_peak_search", "EXHAUSTIVE_MAX_CHOICES", "GREEDY_MAX_WORK", "greedy_max_evals"]
+__all__ = [
+    "solve_mincut",
+    "least_peak_search",
+    "searched_greedily",
+    "EXHAUSTIVE_MAX_CHOICES",
+    "GREEDY_MAX_WORK",
+    "greedy_max_evals",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -449,6 +456,15 @@ def least_peak_search(
 # --------------------------------------------------------------------------
 
 
+_NO_CUT_FITS = "no cut fits the budget"
+
+
+def searched_greedily(decision: Decision) -> bool:
+    """Whether ``solve_mincut`` found ``decision`` by the greedy least-peak search: no cut of its sweep
+    fit the budget, and too many values were free to try every choice."""
+    return decision.note.startswith(f"{_NO_CUT_FITS}; greedy least-peak search")
+
+
 def solve_mincut(
     problem: RematProblem,
     budget: int | None,
@@ -508,7 +524,7 @@ def solve_mincut(
     if not result.feasible:
         starts = sorted(cands.seen, key=lambda k: rank(cands.seen[k]))[:1]
         result, how = least_peak_search(problem, budget, starts, deadline=deadline)
-        note = f"no cut fits the budget; {how}: {result.note}"
+        note = f"{_NO_CUT_FITS}; {how}: {result.note}"
     logger.info(
         "mincut: %d new cuts, %d candidates, peak %d, recompute %.3gs, feasible %s",
         cutter.cuts - cuts_before,
