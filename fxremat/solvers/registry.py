@@ -88,7 +88,9 @@ def solve_auto(problem: RematProblem, budget: int | None, options: SolveOptions 
     whole graph; on larger ones it runs only under a budget and when the graph has
     identical layers and at most ``AUTO_TIED_MAX_RELEVANT`` values to choose among, tied
     (``solve_ilp(tie_layers=True)``: one layer solved for every copy but those at the
-    stack's ends, ``layers.py``).
+    stack's ends, ``layers.py``). It does not run where no min-cut plan fits and the greedy
+    least-peak search's does (within a few percent of the least peak, where it rarely finds a
+    faster plan and runs to its node limit), nor on a graph run several times in a step.
 
     The ILP runs under smaller work limits than the ``ilp`` solver
     (``AUTO_MILP_NODE_WORK`` and ``AUTO_MILP_ROUNDS``, unless ``options``
