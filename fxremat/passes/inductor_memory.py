@@ -303,7 +303,7 @@ def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
     if len(todo) < (2 if here else 1):
         return []
     keys = list(todo)
-    shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + here, len(keys)))
+    shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + (1 if here else 0), len(keys)))
     handed: list[str] = []
     for group in shares[1:] if here else shares:
         group_keys = [keys[i] for i in group]

@@ -71,6 +71,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# How ``solve_mincut``'s note starts when no cut fit and the greedy search ran (``searched_greedily`` reads it).
+_NO_CUT_FITS = "no cut fits the budget"
+_GREEDY = "greedy least-peak search"
+
 # Trade-off range, in normalised units (fraction of all recompute seconds per
 # fraction of all keepable bytes). 1e-3 is below any single value's share of
 # either total in graphs of up to ~1000 values, so it keeps everything worth
@@ -448,7 +452,7 @@ def least_peak_search(
                 if current.feasible:
                     break
     limit = f" stopped at its limit of {most} simulations (GREEDY_MAX_WORK)" if capped else ""
-    return cands.best(), f"greedy least-peak search{limit}"
+    return cands.best(), f"{_GREEDY}{limit}"
 
 
 # --------------------------------------------------------------------------
@@ -456,13 +460,10 @@ def least_peak_search(
 # --------------------------------------------------------------------------
 
 
-_NO_CUT_FITS = "no cut fits the budget"
-
-
 def searched_greedily(decision: Decision) -> bool:
     """Whether ``solve_mincut`` found ``decision`` by the greedy least-peak search: no cut of its sweep
     fit the budget, and too many values were free to try every choice."""
-    return decision.note.startswith(f"{_NO_CUT_FITS}; greedy least-peak search")
+    return decision.note.startswith(f"{_NO_CUT_FITS}; {_GREEDY}")
 
 
 def solve_mincut(
