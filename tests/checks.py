@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -43,3 +44,13 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def child_env(drop: tuple[str, ...], **extra: str) -> dict[str, str]:
+    """This process's environment for a child, less the variables whose names start with one of
+    ``drop``, plus ``extra``. ``FXREMAT_CACHE_DIR`` always stays: it holds the suite's pinned cpu
+    profile (conftest.py), without which a child measures one of its own beside the suite's load."""
+    keep = {"FXREMAT_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k in keep or not k.startswith(drop)}
+    env.update(extra)
+    return env

@@ -27,7 +27,6 @@ graph-breaks before calling the wrapped module, and then nothing is compiled.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from checks import child_env
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -204,11 +205,7 @@ def budget() -> int:
 def runs(tmp_path_factory, budget):
     out = tmp_path_factory.mktemp("distributed")
     port = _free_port()
-    env_base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
-    }
+    env_base = child_env(("FXREMAT_", "TORCHELASTIC", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
     procs = []
     for rank in range(WORLD):
         env = {
@@ -309,9 +306,7 @@ def test_the_readme_torchrun_example_runs_small():
     its own checks (loss and gradients against one process, per-rank peak, equal plans) set its status."""
     pytest.importorskip("transformers")
     root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHELASTIC", "RANK", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["FXREMAT_PLAN_CACHE"] = "0"
+    env = child_env(("FXREMAT_", "TORCHELASTIC", "RANK", "MASTER_"), OMP_NUM_THREADS="1", FXREMAT_PLAN_CACHE="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["examples/distributed.py", "--small", "--inner", "eager", "--budget", "4MiB", "--steps", "2"]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import fxremat
 from fxremat import Options
 from fxremat.backend import FxrematPartitioner
 
-from checks import ATOL, RTOL, compare
+from checks import ATOL, RTOL, child_env, compare
 from zoo import Transformer
 
 LEAST = {"budget": 1, "on_infeasible": "min"}  # the least-memory plan, with a warning
@@ -879,10 +878,8 @@ _KEPT_SCRIPT = textwrap.dedent("""
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FXREMAT_", "TORCHINDUCTOR_"))}
-    env["FXREMAT_PLAN_CACHE"] = "0"  # each process must plan, not read another's plan
-    env.update(extra)
-    return env
+    # FXREMAT_PLAN_CACHE=0: each process must plan, not read another's plan.
+    return child_env(("FXREMAT_", "TORCHINDUCTOR_"), FXREMAT_PLAN_CACHE="0", **extra)
 
 
 def test_same_model_and_options_same_plan_in_fresh_processes(tmp_path):
