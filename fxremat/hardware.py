@@ -28,6 +28,17 @@ compile time instead, and deleting the cached file measures the host again.
 
 The result is cached in ``~/.cache/fxremat/cpu-v2-<torch version>-<threads>.json``
 (``FXREMAT_CACHE_DIR`` overrides the folder) so compiles do not repeat it.
+
+One moment is never cached: torch's threads waiting for one another. When another
+process holds a core, GNU OpenMP's workers spin for their descheduled peer and an op
+on all threads takes many times its one-thread time (an 8 MiB add: 8.0 ms against
+0.65 ms on one thread, where the quiet host runs it on two threads in 0.33 ms).
+Measured then, the profile times the stalls, not the host (3.2 GB/s of bandwidth
+against 64-71 GB/s quiet), and every later plan would follow it. So the add is timed
+on all threads and on one before the measurement and inside it (the add the bandwidth
+comes from, then on one thread); a stalled measurement is
+taken again (``STALL_TRIES``), and one that stays stalled serves this process only,
+with a warning, and is not cached.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +57,17 @@ import torch
 
 from ._torch_compat import disable_current_modes
 
-__all__ = ["Hardware", "HARDWARE", "FRESH_OUTPUT_BYTES", "get_hardware", "measure_cpu", "cache_path", "CACHE_VERSION"]
+__all__ = [
+    "Hardware",
+    "HARDWARE",
+    "FRESH_OUTPUT_BYTES",
+    "get_hardware",
+    "measure_cpu",
+    "cache_path",
+    "CACHE_VERSION",
+    "STALL_RATIO",
+    "STALL_TRIES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +163,14 @@ _REPS = 7
 _MM_REPS = 7
 _POINTWISE_REPS = 11
 _FRESH_REPS = 3
+# Threads waiting for one another: the pointwise add on all threads takes more than this many times
+# its one-thread time (stalled: 10-20x here; quiet: about 0.5x on two threads).
+STALL_RATIO = 1.5
+# Measurements tried before a stalled one is used uncached, and the pause between them.
+STALL_TRIES = 3
+_STALL_PAUSE_SECONDS = 0.5
+# Profiles measured stalled, kept for this process only (by cache path): measured once per process.
+_UNCACHED: dict[Path, dict[str, float]] = {}
 
 
 def cache_path() -> Path:
@@ -186,7 +216,8 @@ def _small_ops() -> list:
     ]
 
 
-def _measure() -> dict[str, float]:
+def _measure() -> tuple[dict[str, float], float]:
+    """The rates, and the stall ratio of the add they take the bandwidth from (``_stall_ratio``)."""
     aten = torch.ops.aten
     # The median kind: one or two kinds caught waiting for a descheduled thread (ms on a
     # shared host, docs/COST_MODEL.md) do not set every op's cost.
@@ -200,11 +231,12 @@ def _measure() -> dict[str, float]:
     b, h, s, d = _ATTN_SHAPE
     x = torch.randn(_POINTWISE_BYTES // 4)
     add = _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
+    stall = add / max(_on_one_thread(lambda: _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)), 1e-9)
     fresh = _median(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0), reps=_FRESH_REPS)
     bandwidth = 3 * _POINTWISE_BYTES / max(add - launch, 1e-9)  # two reads, one write
     # The fill itself writes at ``bandwidth``; the rest of the time is page faults.
     faults = max(fresh - launch - _FRESH_BYTES / bandwidth, 1e-9)
-    return {
+    rates = {
         "peak_flops": 2 * _MM_M * _MM_K * _MM_N / max(mm - launch, 1e-9),
         "attention_flops": 4 * b * h * s * s * d / max(attn - launch, 1e-9),
         "bandwidth": bandwidth,
@@ -212,6 +244,44 @@ def _measure() -> dict[str, float]:
         "view_seconds": view,
         "fresh_bandwidth": _FRESH_BYTES / faults,
     }
+    return rates, stall
+
+
+def _on_one_thread(fn):
+    """``fn()`` with torch on one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stall_ratio() -> float:
+    """The pointwise add's time on all of torch's threads over its time on one: above ``STALL_RATIO``,
+    the threads wait for one another (1.0 with one thread)."""
+    if torch.get_num_threads() == 1:
+        return 1.0
+    aten = torch.ops.aten
+    x = torch.randn(_POINTWISE_BYTES // 4)
+    every = _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
+    return every / max(_on_one_thread(lambda: _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)), 1e-9)
+
+
+def _measure_unstalled() -> tuple[dict[str, float], float]:
+    """``_measure()``'s rates and the larger stall ratio of the check before it and of its own add:
+    the first measurement with neither stalled, else (``STALL_TRIES`` used up) the last one taken."""
+    for attempt in range(STALL_TRIES):
+        if attempt:
+            time.sleep(_STALL_PAUSE_SECONDS)
+        before = _stall_ratio()
+        if before > STALL_RATIO and attempt < STALL_TRIES - 1:
+            continue  # stalled now: wait rather than time a stalled measurement
+        data, inside = _measure()
+        ratio = max(before, inside)
+        if ratio <= STALL_RATIO:
+            break
+    return data, ratio
 
 
 # The fields a cached profile must have (the Hardware fields measure_cpu fills).
@@ -222,10 +292,16 @@ def measure_cpu() -> dict[str, float]:
     """This host's rates as ``Hardware`` fields (peak_flops, attention_flops, bandwidth,
     launch_seconds, view_seconds, fresh_bandwidth), from the cache when present.
 
+    A measurement during which torch's threads kept waiting for one another (another
+    process on the cores; module docstring) is not cached: it warns once and serves this
+    process only.
+
     Returns:
         Field name -> value, for ``Hardware("cpu", **measure_cpu())``.
     """
     path = cache_path()
+    if path in _UNCACHED:
+        return _UNCACHED[path]
     try:
         data = json.loads(path.read_text())
         if set(data) == _FIELDS:
@@ -235,12 +311,23 @@ def measure_cpu() -> dict[str, float]:
     t0 = time.perf_counter()
     # Planning runs inside AOTAutograd's fake mode: time real tensors.
     with disable_current_modes(), torch.no_grad():
-        data = _measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data))
-    except OSError as exc:  # a read-only home: measure again next time, say so
-        log.info("could not cache the cpu profile at %s: %s", path, exc)
+        data, ratio = _measure_unstalled()
+    if ratio > STALL_RATIO:
+        _UNCACHED[path] = data
+        warnings.warn(
+            f"fxremat: torch's {torch.get_num_threads()} threads kept waiting for one another while this host's cpu "
+            f"profile was measured (an 8 MiB add took {ratio:.1f}x its one-thread time, {STALL_TRIES} tries): another "
+            "process is using the cores. This process's time estimates, and so its plans, follow that moment; the "
+            f"profile is not cached at {path}. Run with one thread (torch.set_num_threads(1)) or "
+            "OMP_WAIT_POLICY=passive, or compile when the host is quieter.",
+            stacklevel=2,
+        )
+    else:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data))
+        except OSError as exc:  # a read-only home: measure again next time, say so
+            log.info("could not cache the cpu profile at %s: %s", path, exc)
     log.info(
         "cpu profile in %.2f s: %.1f GFLOP/s (attention %.1f), %.1f GB/s, %.1f us/op, %.1f us/view, "
         "%.2f GB/s fresh pages",

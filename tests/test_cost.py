@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,10 +82,15 @@ def test_cpu_profile_fields_and_versioned_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FXREMAT_CACHE_DIR", str(tmp_path))
     assert f"v{hardware.CACHE_VERSION}" in hardware.cache_path().name
-    cpu = get_hardware("cpu")  # measured now (empty cache folder), then cached
-    assert hardware.cache_path().exists()
-    assert cpu.attention_flops > 1e8 and 0 < cpu.view_seconds < 1e-3 and cpu.fresh_bandwidth > 1e7
-    assert get_hardware("cpu") == cpu  # from the cache
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread cannot stall on another: the profile is cached under any load
+    try:
+        cpu = get_hardware("cpu")  # measured now (empty cache folder), then cached
+        assert hardware.cache_path().exists()
+        assert cpu.attention_flops > 1e8 and 0 < cpu.view_seconds < 1e-3 and cpu.fresh_bandwidth > 1e7
+        assert get_hardware("cpu") == cpu  # from the cache
+    finally:
+        torch.set_num_threads(threads)
     assert get_hardware("a100").fresh_bandwidth == float("inf") and get_hardware("a100").view_seconds == 0
 
 
@@ -230,3 +238,61 @@ def test_dynamic_shapes_keep_symbolic_bytes_and_flops():
             assert int(c.sym_bytes_moved.subs(hints)) == c.bytes_moved
     # A parameter's size is static: its record has no expression.
     assert any(c.sym_nbytes is None and n.op == "placeholder" for n, c in costs.items())
+
+
+def _fake_profile(monkeypatch, tmp_path, ratios):
+    """measure_cpu in an empty folder, with _measure and the stall check replaced: returns the count of
+    measurements taken."""
+    from fxremat import hardware
+
+    monkeypatch.setenv("FXREMAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "_UNCACHED", {})
+    monkeypatch.setattr(hardware.time, "sleep", lambda s: None)
+    ratios = iter(ratios)
+    monkeypatch.setattr(hardware, "_stall_ratio", lambda: next(ratios))
+    taken = []
+
+    def measure():
+        taken.append(1)
+        return {field: float(len(taken)) for field in hardware._FIELDS}, next(ratios)
+
+    monkeypatch.setattr(hardware, "_measure", measure)
+    return taken
+
+
+def test_a_profile_measured_while_threads_stall_is_taken_again(tmp_path, monkeypatch, recwarn):
+    from fxremat import hardware
+
+    # Stalled before the first try (not measured), stalled inside the second, clean before and inside the third.
+    taken = _fake_profile(monkeypatch, tmp_path, [12.0, 0.5, 9.0, 0.5, 0.6])
+    data = hardware.measure_cpu()
+    assert len(taken) == 2 and data["bandwidth"] == 2.0
+    assert json.loads(hardware.cache_path().read_text()) == data
+    assert not [w for w in recwarn if "cpu profile" in str(w.message)]
+
+
+def test_a_profile_that_stays_stalled_warns_once_and_is_not_cached(tmp_path, monkeypatch):
+    from fxremat import hardware
+
+    taken = _fake_profile(monkeypatch, tmp_path, [12.0, 12.0, 12.0, 11.0])
+    with pytest.warns(UserWarning, match="threads kept waiting for one another.*not cached"):
+        data = hardware.measure_cpu()
+    assert len(taken) == 1 and not hardware.cache_path().exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hardware.measure_cpu() == data  # this process's profile: not measured or warned again
+    assert len(taken) == 1
+
+
+def test_the_stall_ratio_times_all_threads_against_one():
+    from fxremat import hardware
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert hardware._stall_ratio() == 1.0
+        torch.set_num_threads(2)
+        assert hardware._stall_ratio() > 0
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(threads)
