@@ -195,7 +195,14 @@ def _plan(model_or_fn, args, options: Options) -> list[Plan]:
             out = compiled(model_or_fn, args)
             loss = out if isinstance(out, torch.Tensor) else _first_tensor(out)
             if loss.requires_grad:
-                (loss if loss.dim() == 0 else loss.sum()).backward()
+                root = loss if loss.dim() == 0 else loss.sum()
+                leaves = [t for t in _tensors(model_or_fn, args) if t.requires_grad and t.is_leaf]
+                if leaves:
+                    # Not .backward(): the dry backward returns each gradient as a zero-stride view, which
+                    # .grad would copy into real memory of its parameter's size (a 70B model on meta: 140 GB).
+                    torch.autograd.grad(root, leaves, allow_unused=True)
+                else:
+                    root.backward()
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
