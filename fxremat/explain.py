@@ -23,6 +23,7 @@ tensors take no memory): Dynamo rejects a real meta tensor that meets a fake one
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import types
 import warnings
@@ -70,6 +71,10 @@ def _dry_compiler(gm: fx.GraphModule, example_inputs, **_kwargs):
     return run
 
 
+# Numbers explain's entry code objects (``_fresh_entry``).
+_ENTRIES = itertools.count()
+
+
 def _fresh_entry():
     """A new function object with its own code object, to hand ``torch.compile``.
 
@@ -77,12 +82,20 @@ def _fresh_entry():
     function whose code object no one else has keeps explain's dry programs out of the
     caches of the user's compiled model (same class, same ``forward``), so explain needs
     no reset of Dynamo's caches, and the user's compiled functions stay compiled.
+
+    Each code object is also unequal to every earlier one (its own name): Dynamo keeps
+    what it saw of a frame's input sizes keyed by code objects, which compare by value, so
+    equal copies would share that record, and a model explained after another with other
+    input sizes was traced with dynamic sizes (``automatic_dynamic_shapes``): a different
+    graph, and a plan that depended on what was explained before in the process.
     """
 
     def call(model_or_fn, args):
         return model_or_fn(*args)
 
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "fxremat_explain")
+    name = f"fxremat_explain_{next(_ENTRIES)}"
+    code = call.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, call.__globals__, name)
 
 
 def _tensors(model_or_fn, args) -> list[torch.Tensor]:

@@ -31,6 +31,25 @@ def test_explain_matches_compile_kept_set(inner):
     assert all(p.grad is None for p in base.parameters()), "explain must not leave gradients behind"
 
 
+def test_a_model_explained_after_another_plans_as_if_alone():
+    """Each explain compiles an entry whose code object is unequal to the earlier ones': Dynamo's record
+    of the input sizes a frame saw is keyed by code objects, which compare by value, and a shared record
+    made the second model's graph dynamic in its sizes (an extra size node, another kept set)."""
+    torch.manual_seed(0)
+    other, other_ids = (
+        torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 1)),
+        torch.randint(0, 512, (4, 64)),
+    )
+    base, inputs = ZOO["transformer"]()
+    torch._dynamo.reset()
+    alone = fxremat.explain(base, *inputs, inner="eager", time_slack=0)
+    torch._dynamo.reset()
+    fxremat.explain(lambda ids: other(ids).mean(), other_ids, inner="eager", time_slack=0)
+    after = fxremat.explain(base, *inputs, inner="eager", time_slack=0)
+    assert after.problem.names == alone.problem.names
+    assert [k.name for k in after.kept] == [k.name for k in alone.kept]
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_explain_leaves_the_users_compiled_model_compiled(inner):
     """explain compiles its own code object instead of resetting Dynamo: a model the user
