@@ -94,7 +94,7 @@ def _fresh_entry():
         return model_or_fn(*args)
 
     name = f"fxremat_explain_{next(_ENTRIES)}"
-    code = call.__code__.replace(co_name=name, co_qualname=name)
+    code = call.__code__.replace(co_name=name)  # code objects compare by co_name, among other fields
     return types.FunctionType(code, call.__globals__, name)
 
 

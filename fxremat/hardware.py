@@ -35,10 +35,10 @@ on all threads takes many times its one-thread time (an 8 MiB add: 8.0 ms agains
 0.65 ms on one thread, where the quiet host runs it on two threads in 0.33 ms).
 Measured then, the profile times the stalls, not the host (3.2 GB/s of bandwidth
 against 64-71 GB/s quiet), and every later plan would follow it. So the add is timed
-on all threads and on one before the measurement and inside it (the add the bandwidth
-comes from, then on one thread); a stalled measurement is
-taken again (``STALL_TRIES``), and one that stays stalled serves this process only,
-with a warning, and is not cached.
+on all threads and on one, before the measurement and inside it (the add the bandwidth
+comes from, then the same on one thread); a stalled measurement is taken again
+(``STALL_TRIES``), and one that stays stalled serves this process only, with a
+warning, and is not cached.
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ def _measure() -> tuple[dict[str, float], float]:
     attn = _median(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
     b, h, s, d = _ATTN_SHAPE
     x = torch.randn(_POINTWISE_BYTES // 4)
-    add = _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
-    stall = add / max(_on_one_thread(lambda: _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)), 1e-9)
+    add = _add_seconds(x)
+    stall = 1.0 if torch.get_num_threads() == 1 else add / max(_on_one_thread(lambda: _add_seconds(x)), 1e-9)
     fresh = _median(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0), reps=_FRESH_REPS)
     bandwidth = 3 * _POINTWISE_BYTES / max(add - launch, 1e-9)  # two reads, one write
     # The fill itself writes at ``bandwidth``; the rest of the time is page faults.
@@ -245,6 +245,11 @@ def _measure() -> tuple[dict[str, float], float]:
         "fresh_bandwidth": _FRESH_BYTES / faults,
     }
     return rates, stall
+
+
+def _add_seconds(x: torch.Tensor) -> float:
+    """Median seconds of ``x + x``: the add the bandwidth is taken from, and the stall check's."""
+    return _median(lambda: torch.ops.aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
 
 
 def _on_one_thread(fn):
@@ -262,10 +267,8 @@ def _stall_ratio() -> float:
     the threads wait for one another (1.0 with one thread)."""
     if torch.get_num_threads() == 1:
         return 1.0
-    aten = torch.ops.aten
     x = torch.randn(_POINTWISE_BYTES // 4)
-    every = _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)
-    return every / max(_on_one_thread(lambda: _median(lambda: aten.add.Tensor(x, x), reps=_POINTWISE_REPS)), 1e-9)
+    return _add_seconds(x) / max(_on_one_thread(lambda: _add_seconds(x)), 1e-9)
 
 
 def _measure_unstalled() -> tuple[dict[str, float], float]:
