@@ -273,3 +273,12 @@ def test_a_reserve_of_the_users_is_not_second_guessed(recwarn):
         compiled(x).square().mean().backward()
     assert not [str(w.message) for w in recwarn if "outside the compiled model" in str(w.message)]
     assert {p.reserved_bytes for p in fxremat.plans()} == {64 * 1024}
+
+
+def test_calls_are_not_logged_forever_without_a_budget():
+    # Nothing reads the call log without a budget: it once grew by one call per step.
+    torch.manual_seed(0)
+    compiled, x = _compile(WithLogits(width=16, vocab=32)), torch.randn(8, 16)
+    for _ in range(200):
+        compiled(x)[0].backward()
+    assert len(steps._CALLS) <= 64, len(steps._CALLS)
