@@ -125,7 +125,7 @@ def _bytes(tensors) -> int:
 def held() -> list[_Call]:
     """The calls whose backward has not run yet and that still hold memory."""
     with _LOCK:
-        _CALLS[:] = [c for c in _CALLS if c.held()]
+        _prune()
         return list(_CALLS)
 
 
@@ -134,11 +134,16 @@ def held() -> list[_Call]:
 _PRUNE_AT = [64]
 
 
+def _prune() -> None:
+    """Drop the logged calls that hold nothing any more (under ``_LOCK``)."""
+    _CALLS[:] = [c for c in _CALLS if c.held()]
+    _PRUNE_AT[0] = max(64, 2 * len(_CALLS))
+
+
 def _append(call: _Call) -> None:
     """Log ``call`` (under ``_LOCK``), dropping the calls that hold nothing any more now and then."""
     if len(_CALLS) >= _PRUNE_AT[0]:
-        _CALLS[:] = [c for c in _CALLS if c.held()]
-        _PRUNE_AT[0] = max(64, 2 * len(_CALLS))
+        _prune()
     _CALLS.append(call)
 
 
