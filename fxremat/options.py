@@ -74,9 +74,9 @@ class Options:
     """With no budget: the share of the fastest plan's estimated step time fxremat may add,
     by recomputing cheap values, to lower the peak. The plan that runs is the lowest peak
     of: the fastest plan, the least peak within this slack, PyTorch's own partition, and
-    pointwise-only recompute up to that partition's time, when they gain at least 2% and
-    1 MiB (docs/CONCEPTS.md). 0: the fastest plan. Ignored under a budget, where the
-    fastest plan that fits runs."""
+    pointwise-only recompute up to that partition's time, when they gain at least 2% (and,
+    except PyTorch's partition, 1 MiB; docs/CONCEPTS.md). 0: the fastest plan. Ignored
+    under a budget, where the fastest plan that fits runs."""
     reserve: int = 0
     """Bytes of the budget to leave for memory the step allocates outside fxremat's graphs: a
     loss computed outside the compiled model, DDP's gradient buckets, buffers of your own.
