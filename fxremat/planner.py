@@ -702,19 +702,17 @@ def _no_budget(
     # others (one core each): 6.8 s of the benchmark GPT-2's no-budget compile, on both cores, before.
     behind = _lower_ahead(analysis, [first], options, here=False) if worth > 0 else []
     ahead: list[str] = []
-    theirs: Decision | None = None
     try:
         within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"
-        found = []
+        found: list[tuple[Decision, str, float]] = []  # (candidate, why, the peak it must be under to be judged)
         if worth > 0:
-            found.append(
-                (solve_within(problem, slack, options.solver, solve_options, first), f"the least peak {within}")
-            )
+            least = solve_within(problem, slack, options.solver, solve_options, first)
+            found.append((least, f"the least peak {within}", worth))
         names = reference.saved() if reference is not None else None
         if names is not None:
             theirs = as_decision(analysis.graph, names)
             below = f", below the least peak {within}" if worth > 0 else ""
-            found.append((theirs, f"PyTorch's own partition (plain torch.compile's){below}"))
+            found.append((theirs, f"PyTorch's own partition (plain torch.compile's){below}", theirs_worth))
             if worth > 0 and theirs.recompute_seconds > slack:
                 # As much pointwise recompute as PyTorch's partition does, placed by fxremat's memory model.
                 cheap = pointwise_only(analysis.graph, analysis.costs)
@@ -724,10 +722,11 @@ def _no_budget(
                         solve_within(cheap, budgeted, options.solver, solve_options),
                         f"the least peak recomputing only pointwise ops and views, within PyTorch's own partition's "
                         f"estimated recompute ({budgeted * 1e3:.3g} ms)",
+                        worth,
                     )
                 )
         quickest = judge(first)
-        worthy = [(d, why) for d, why in found if d.peak_bytes < (theirs_worth if d is theirs else worth)]
+        worthy = [(d, why) for d, why, under in found if d.peak_bytes < under]
         # The candidates' programs are lowered at once, in forked children beside this process.
         ahead = _lower_ahead(analysis, [d for d, _ in worthy], options)
         candidates = [(quickest, "")] + [(judge(d), why) for d, why in worthy]
