@@ -5,7 +5,8 @@
     python benchmarks/loss_chunking.py --row llama:32768 fxremat_auto_least   # one row, one JSON line
 
 Cases: HF ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` built from configs (random weights,
-2 layers, hidden 256, batch 1, 512 tokens) with vocabularies of 32k and 128k, compiled whole
+2 layers, hidden 256, batch 1, 512 tokens) with vocabularies of 32k and 128k (a case ending
+in ``:bf16``, such as ``llama:131072:bf16``: the model in bf16, as LLMs are trained), compiled whole
 and run as users run them: ``model(input_ids=ids, labels=ids).loss.backward()``. Rows, each
 a full training step from the same weights, each in a fresh subprocess on one intra-op thread:
 
@@ -67,11 +68,11 @@ TOKENS, HIDDEN, LAYERS = 512, 256, 2
 
 
 def build(case: str):
-    """(model, input ids) of a case, seed 0."""
+    """(model, input ids) of a case, seed 0: ``family:vocab``, or ``family:vocab:bf16`` for the model in bf16."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    family, vocab = case.split(":")
+    family, vocab, *dtype = case.split(":")
     torch.manual_seed(0)
     if family == "llama":
         cfg = LlamaConfig(
@@ -100,6 +101,8 @@ def build(case: str):
             eos_token_id=0,
         )
         model = GPT2LMHeadModel(cfg)
+    if dtype:
+        model = model.to(getattr(torch, {"bf16": "bfloat16"}[dtype[0]]))
     ids = torch.randint(0, int(vocab), (1, TOKENS), generator=torch.Generator().manual_seed(1))
     return model, ids
 
@@ -131,7 +134,9 @@ def _step_fn(case: str, row: str):
     model, ids = build(case)
     if row.startswith("region"):
         region = LossRegion(model)
-        hidden = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        dtype = model.lm_head.weight.dtype
+        hidden = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=dtype)
+        hidden.requires_grad_()
         options = {"budget": 1, "on_infeasible": "min", "chunk_loss": "off" if row == "region_off" else "auto"}
         compiled = torch.compile(region, backend="fxremat", options=options)
         return region, lambda: _backward(compiled(hidden, ids))

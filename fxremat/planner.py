@@ -220,8 +220,9 @@ def partition(
     """
     started = time.perf_counter()
     reference = None
-    if options.budget is None and options.time_slack > 0:
-        # What plain torch.compile would save: a no-budget candidate (before prepare_joint edits the graph).
+    if options.budget is not None or options.time_slack > 0:
+        # What plain torch.compile would save: a no-budget candidate, and one for the least-memory plan
+        # (copied before prepare_joint edits the graph).
         reference = Reference(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
     joint, recomputes_rng = prepare_joint(joint)
     info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
@@ -621,13 +622,15 @@ def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
 SEARCHING_SOLVERS = ("auto", "mincut", "ilp")
 
 
-def _least(analysis: Analysis, search: str, options: Options, judge) -> Lowered:
+def _least(analysis: Analysis, search: str, options: Options, judge, reference: Reference | None = None) -> Lowered:
     """The least-memory plan, judged on its programs: the least-peak search's, or per-layer
-    checkpointing's when its programs peak lower.
+    checkpointing's or PyTorch's own partition (``reference``) when its programs peak lower.
 
     The search ranks plans by the solver's model of memory, which the programs can
     disagree with: on HF GPT-2 (vocabulary 2k) it chose a plan whose programs peak at
-    49.0 MiB, where per-layer checkpointing's peak at 44.2 MiB.
+    49.0 MiB, where per-layer checkpointing's peak at 44.2 MiB; on HF Llama in bf16
+    (vocabulary 32k, the loss whole) 128.0 MiB, where PyTorch's partition, the plan
+    with no budget, peaks at 107.0 MiB, so budgets between the two were refused.
     """
     problem = analysis.graph.problem
     solve_options = SolveOptions(time_limit=options.time_limit)
@@ -635,18 +638,26 @@ def _least(analysis: Analysis, search: str, options: Options, judge) -> Lowered:
     if options.solver not in SEARCHING_SOLVERS:
         return judge(least)
     per_layer = solve(problem, None, "per_layer", solve_options)
-    # Both candidates' programs are lowered at once, in forked children beside this process.
-    ahead = _lower_ahead(analysis, [least, per_layer], options)
+    names = reference.saved() if reference is not None else None
+    theirs = as_decision(analysis.graph, names) if names is not None else None
+    others = [(per_layer, "per-layer checkpointing's plan")]
+    if theirs is not None:
+        others.append((theirs, "PyTorch's own partition (plain torch.compile's)"))
+    # The candidates' programs are lowered at once, in forked children beside this process.
+    ahead = _lower_ahead(analysis, [least] + [d for d, _ in others], options)
     try:
-        found, layers = judge(least), judge(per_layer)
+        found = judge(least)
+        lowered = [(judge(d), why) for d, why in others]
     finally:
         stop_lowering(ahead)
-    if layers.peak < found.peak:
-        note = (
-            f"per-layer checkpointing's plan: its programs peak at {format_bytes(layers.peak)}, the least-peak "
-            f"search's at {format_bytes(found.peak)}"
-        )
-        found = replace(layers, decision=replace(layers.decision, note=note))
+    searched = found.peak
+    for other, why in lowered:
+        if other.peak < found.peak:
+            note = (
+                f"{why}: its programs peak at {format_bytes(other.peak)}, the least-peak search's at "
+                f"{format_bytes(searched)}"
+            )
+            found = replace(other, decision=replace(other.decision, note=note))
     # Nested checkpoints: fewer values kept, the segments between them recomputed a second time.
     kept, peak, splits = nested_least(problem, found.decision.kept)
     if not splits or peak > (1 - TWICE_MIN_GAIN) * found.decision.peak_bytes:
@@ -989,7 +1000,7 @@ def _choose(
         else:
             # Below the solver's least estimate; the least plan's programs may still leave room.
             if least is None:
-                least = _least(analysis, search, options, judge)
+                least = _least(analysis, search, options, judge, reference)
             lowered = least
         log.debug("fxremat %s: target %d -> programs peak %d (budget %d)", name, target, lowered.peak, budget)
         if lowered.peak <= budget:
@@ -1016,7 +1027,7 @@ def _choose(
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, UNKNOWN)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
-        least = _least(analysis, search, options, judge)
+        least = _least(analysis, search, options, judge, reference)
     if search != options.solver:
         least = _named(least, options.solver)
     note = least.decision.note

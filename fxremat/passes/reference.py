@@ -26,22 +26,24 @@ __all__ = ["Reference", "as_decision", "pointwise_only"]
 log = logging.getLogger("fxremat")
 
 
-def _copy(joint: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``joint`` with its own nodes (meta shared): PyTorch's partitioner edits the graph it gets."""
+def _copy(joint: fx.GraphModule) -> fx.Graph:
+    """A copy of ``joint``'s graph with its own nodes (meta shared): PyTorch's partitioner edits the graph it gets."""
     graph = fx.Graph()
     out = graph.graph_copy(joint.graph, {})
     graph.output(out)
-    return fx.GraphModule(joint, graph)
+    return graph
 
 
 class Reference:
     """PyTorch's partition of a joint graph, run when first asked for (``saved``).
 
     The graph is copied when this is made: the planner then edits its own joint graph.
+    Its module (Python code generated for the whole graph) is built only when asked for:
+    under a budget it is needed only for the least-memory plan.
     """
 
     def __init__(self, joint: fx.GraphModule, joint_inputs, num_fwd_outputs: int, static_indices: list[int]) -> None:
-        self._args = (_copy(joint), joint_inputs, num_fwd_outputs, static_indices)
+        self._args = (joint, _copy(joint), joint_inputs, num_fwd_outputs, static_indices)
         self._saved: tuple[str, ...] | None = None
         self._done = False
 
@@ -49,7 +51,8 @@ class Reference:
         """Names of the values PyTorch's min-cut partitioner saves for the backward; None if it fails."""
         if not self._done:
             self._done = True
-            self._saved = _pytorch_saved(*self._args)
+            root, graph, *rest = self._args
+            self._saved = _pytorch_saved(fx.GraphModule(root, graph), *rest)
             self._args = None  # type: ignore[assignment]
         return self._saved
 
