@@ -472,6 +472,7 @@ def solve_mincut(
     options: SolveOptions = SolveOptions(),
     *,
     deadline: Deadline | None = None,
+    search_below: bool = True,
 ) -> Decision:
     """Choose kept values by a sweep of min cuts, judged by the liveness simulation.
 
@@ -493,6 +494,9 @@ def solve_mincut(
         deadline: the safety net of an enclosing solve (``auto``, or the
             ILP's warm start), shared with it; None: a new one from
             ``options.time_limit``.
+        search_below: when no cut fits, run ``least_peak_search`` (up to
+            ``GREEDY_MAX_WORK`` of simulation); False: return the sweep's
+            least-peak candidate, a bracket for ``solve_within``'s bisection.
 
     Returns:
         The decision (``solver="mincut"``); ``feasible=False`` with the least
@@ -522,10 +526,12 @@ def solve_mincut(
         report_progress(options, done + 1, len(variants), label)
     result = cands.best()
     note = result.note
-    if not result.feasible:
+    if not result.feasible and search_below:
         starts = sorted(cands.seen, key=lambda k: rank(cands.seen[k]))[:1]
         result, how = least_peak_search(problem, budget, starts, deadline=deadline)
         note = f"{_NO_CUT_FITS}; {how}: {result.note}"
+    elif not result.feasible:
+        note = f"{_NO_CUT_FITS}; the sweep's least peak: {result.note}"
     logger.info(
         "mincut: %d new cuts, %d candidates, peak %d, recompute %.3gs, feasible %s",
         cutter.cuts - cuts_before,
