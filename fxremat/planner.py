@@ -220,7 +220,9 @@ def partition(
     """
     started = time.perf_counter()
     reference = None
-    if options.budget is not None or options.time_slack > 0:
+    if (options.budget is None and options.time_slack > 0) or (
+        options.budget is not None and options.solver in SEARCHING_SOLVERS
+    ):
         # What plain torch.compile would save: a no-budget candidate, and one for the least-memory plan
         # (copied before prepare_joint edits the graph).
         reference = Reference(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
