@@ -84,32 +84,18 @@ def test_the_least_peak_search_is_bounded_by_work_not_by_a_flat_count(monkeypatc
 
 def test_the_least_plan_never_peaks_above_the_plan_without_a_budget():
     # HF Llama in bf16 with its loss whole: under Inductor, PyTorch's own partition (the plan with no
-    # budget) peaks at 2.83 MB, the least-peak search's plan and per-layer checkpointing's higher
-    # (3.15 MB), so the least plan was above the no-budget one and budgets between them were refused.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-        tie_word_embeddings=False,
+    # budget) peaks lower than the least-peak search's plan and per-layer checkpointing's, so the least
+    # plan was above the no-budget one and budgets between them were refused.
+    model, _ = ZOO["llama"](
+        vocab_size=4096, intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=128
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (1, 128))
-
-    def loss(i):
-        return model(input_ids=i, labels=i).loss
-
+    model = model.to(torch.bfloat16)
+    inputs = (torch.randint(0, 4096, (1, 128)),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        free = fxremat.explain(loss, ids, chunk_loss="off")
-        least = fxremat.explain(loss, ids, chunk_loss="off", budget=1, on_infeasible="min")
+        free = fxremat.explain(model, *inputs, chunk_loss="off")
+        least = fxremat.explain(model, *inputs, chunk_loss="off", budget=1, on_infeasible="min")
         # A budget the plan without one meets is never refused.
-        held = fxremat.explain(loss, ids, chunk_loss="off", budget=free.predicted_peak)
+        held = fxremat.explain(model, *inputs, chunk_loss="off", budget=free.predicted_peak)
     assert least.predicted_peak <= free.predicted_peak
     assert held.feasible and held.predicted_peak <= free.predicted_peak

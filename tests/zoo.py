@@ -159,21 +159,25 @@ def gpt2():
     return HFLoss(model), (torch.randint(0, 256, (2, 32)),)
 
 
-def llama():
+def llama(**config):
+    """A 2-layer HF Llama; ``config`` overrides ``LlamaConfig`` fields."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
+        **{
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 64,
+            **config,
+        }
     )
     cfg._attn_implementation = "sdpa"
-    return HFLoss(LlamaForCausalLM(cfg)), (torch.randint(0, 256, (2, 32)),)
+    return HFLoss(LlamaForCausalLM(cfg)), (torch.randint(0, cfg.vocab_size, (2, 32)),)
 
 
 ZOO = {
