@@ -624,6 +624,12 @@ def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
 SEARCHING_SOLVERS = ("auto", "mincut", "ilp")
 
 
+def _pytorchs(analysis: Analysis, reference: Reference | None) -> Decision | None:
+    """PyTorch's own partition (plain ``torch.compile``'s) as a decision; None without one."""
+    names = reference.saved() if reference is not None else None
+    return as_decision(analysis.graph, names) if names is not None else None
+
+
 def _least(analysis: Analysis, search: str, options: Options, judge, reference: Reference | None = None) -> Lowered:
     """The least-memory plan, judged on its programs: the least-peak search's, or per-layer
     checkpointing's or PyTorch's own partition (``reference``) when its programs peak lower.
@@ -640,8 +646,7 @@ def _least(analysis: Analysis, search: str, options: Options, judge, reference: 
     if options.solver not in SEARCHING_SOLVERS:
         return judge(least)
     per_layer = solve(problem, None, "per_layer", solve_options)
-    names = reference.saved() if reference is not None else None
-    theirs = as_decision(analysis.graph, names) if names is not None else None
+    theirs = _pytorchs(analysis, reference)
     others = [(per_layer, "per-layer checkpointing's plan")]
     if theirs is not None:
         others.append((theirs, "PyTorch's own partition (plain torch.compile's)"))
@@ -721,9 +726,8 @@ def _no_budget(
         if worth > 0:
             least = solve_within(problem, slack, options.solver, solve_options, first)
             found.append((least, f"the least peak {within}", worth))
-        names = reference.saved() if reference is not None else None
-        if names is not None:
-            theirs = as_decision(analysis.graph, names)
+        theirs = _pytorchs(analysis, reference)
+        if theirs is not None:
             below = f", below the least peak {within}" if worth > 0 else ""
             found.append((theirs, f"PyTorch's own partition (plain torch.compile's){below}", theirs_worth))
             if worth > 0 and theirs.recompute_seconds > slack:
