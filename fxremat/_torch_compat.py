@@ -316,7 +316,9 @@ def inductor_program_events(
         of ``old``), ``("hold", tuple, part)`` (a kernel's returned tuple holds one of its
         outputs until the tuple is freed), ``("kernel", origin_names)`` (a kernel runs; its fx origins), for an
         extern kernel ``("kernel", origin_names, (fx node, input strides))``: the node it
-        runs and the strides Inductor gives its tensor inputs.
+        runs and the strides Inductor gives its tensor inputs, and for a node Inductor's own
+        passes made (no node of ``gm``: ``mm`` and ``add`` folded into ``addmm``)
+        ``(fx node, input strides, passes.oprun.OpCall)``: the call, to measure its workspace.
     """
     import copy
 
@@ -328,7 +330,10 @@ def inductor_program_events(
     from torch._inductor.utils import get_dtype_size
     from torch._inductor.virtualized import V
 
+    from .passes.oprun import op_call
+
     gm = copy.deepcopy(gm)
+    given = {n.name for n in gm.graph.nodes}
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = detect_fake_mode(vals)
     if fake_mode is None:
@@ -346,8 +351,9 @@ def inductor_program_events(
     def origins(node) -> tuple[str, ...]:
         return tuple(sorted(o.name for o in getattr(node, "origins", ()) or ()))
 
-    def extern(node) -> tuple[str, tuple] | None:
-        """(the fx node an extern kernel runs, the strides of its tensor inputs as Inductor lays them out)."""
+    def extern(node) -> tuple | None:
+        """(the fx node an extern kernel runs, the strides of its tensor inputs as Inductor lays them out),
+        and its call when Inductor's passes made that node."""
         op = getattr(node, "op_overload", None)
         origin = getattr(node, "origin_node", None) or next(
             (o for o in getattr(node, "origins", ()) or () if getattr(o, "target", None) is op), None
@@ -361,7 +367,9 @@ def inductor_program_events(
             )
         except (AttributeError, NotImplementedError, TypeError):
             return None
-        return origin.name, strides
+        if origin.name in given:
+            return origin.name, strides
+        return origin.name, strides, op_call(origin, strides)
 
     # `cpp.simdlen = 1` matches no vector ISA, so the C++ backend writes scalar kernels only.
     scalar = {} if vectorized else {"cpp.simdlen": 1}

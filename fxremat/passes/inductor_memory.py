@@ -101,7 +101,7 @@ def replay(
     inputs: dict[str, tuple[object, int, bool]],
     start: int,
     scratch_by_name: dict[str, int],
-    scratch_at: Callable[[str, tuple], int | None] | None = None,
+    scratch_at: Callable[..., int | None] | None = None,
 ) -> tuple[int, int]:
     """Replay a program's memory events; returns (peak, live at the end).
 
@@ -112,8 +112,8 @@ def replay(
         start: live bytes when the program starts (held inputs included).
         scratch_by_name: workspace bytes of fx nodes, added while their kernel runs.
         scratch_at: the workspace of an extern kernel's fx node at the input strides
-            Inductor gives it, when they differ from the graph's (``passes.scratch.ScratchAt``);
-            None where they do not.
+            Inductor gives it, when they differ from the graph's, or of the call itself when
+            Inductor made the node (``passes.scratch.ScratchAt``); None where neither applies.
     """
     refs: dict[object, int] = {}
     size: dict[object, int] = {}
@@ -173,7 +173,7 @@ def predict_step(
     *,
     outputs_released: bool = False,
     forward_peak: int | None = None,
-    scratch_at: Callable[[str, tuple], int | None] | None = None,
+    scratch_at: Callable[..., int | None] | None = None,
 ) -> InductorStep:
     """The peak of the step Inductor runs for the planned ``fw`` and ``bw``.
 

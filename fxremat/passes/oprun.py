@@ -5,6 +5,10 @@ takes) both run graph ops standalone: inputs are synthetic tensors of the
 node's shapes, strides and dtypes, on its device, created and run outside
 AOTAutograd's fake mode without moving the user's random generator. Nodes
 with the same ``op_signature`` run once.
+
+An op call a compiler makes that no graph of fxremat's holds (Inductor's post-grad
+passes fold ``mm`` and ``add`` into ``addmm``) travels as an ``OpCall``: plain values,
+picklable from a forked lowering, which ``node_of_call`` turns back into a node to run.
 """
 
 from __future__ import annotations
@@ -15,10 +19,22 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.fx as fx
 
-from .._torch_compat import disable_current_modes
+from typing import NamedTuple
+
+from .._torch_compat import FakeTensorMode, disable_current_modes, is_op_overload
 from .opinfo import size_hint
 
-__all__ = ["MAX_STANDALONE_BYTES", "materialize", "op_signature", "standalone_call", "real_tensors"]
+__all__ = [
+    "MAX_STANDALONE_BYTES",
+    "OpCall",
+    "TensorArg",
+    "materialize",
+    "node_of_call",
+    "op_call",
+    "op_signature",
+    "standalone_call",
+    "real_tensors",
+]
 
 # Running an op allocates its inputs for real; skip ops whose inputs and
 # outputs together exceed this (1 GiB), so planning never risks an OOM itself.
@@ -107,3 +123,85 @@ def real_tensors() -> Iterator[None]:
     without moving the user's CPU random generator."""
     with disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
         yield
+
+
+class TensorArg(NamedTuple):
+    """A tensor argument of an ``OpCall``: its sizes, strides, dtype and device."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+
+class OpCall(NamedTuple):
+    """An op call in plain values: the op's qualified name (``"aten.addmm.default"``), its
+    arguments with ``TensorArg`` for each tensor, and its keyword arguments as sorted pairs."""
+
+    op: str
+    args: tuple
+    kwargs: tuple
+
+
+# Constants an OpCall carries as they are (all pickle by value).
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def op_call(node: fx.Node, strides: tuple[tuple[int, ...], ...]) -> OpCall | None:
+    """``node``'s op call with its tensor inputs laid out at ``strides`` (one tuple per tensor
+    input, in ``all_input_nodes`` order), or None when it cannot be written in plain values
+    (not an op overload, a symbolic size, an argument of another kind).
+    """
+    if node.op != "call_function" or not is_op_overload(node.target):
+        return None
+    tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(tensors) != len(strides):
+        return None
+    at = dict(zip(tensors, strides))
+
+    def plain(a):
+        if isinstance(a, fx.Node):
+            val = a.meta["val"] if a in at else None
+            if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
+                raise ValueError(a)
+            return TensorArg(tuple(val.shape), tuple(at[a]), val.dtype, str(val.device))
+        if isinstance(a, (list, tuple)):
+            return tuple(plain(x) for x in a)
+        if isinstance(a, _PLAIN):
+            return a
+        raise ValueError(a)
+
+    try:
+        args = plain(node.args)
+        kwargs = tuple(sorted((k, plain(v)) for k, v in node.kwargs.items()))
+    except ValueError:
+        return None
+    return OpCall(str(node.target), args, kwargs)
+
+
+def node_of_call(call: OpCall) -> fx.Node | None:
+    """A node of a graph of its own that runs ``call`` (its inputs: placeholders with fake values at
+    the call's sizes and strides), for ``standalone_call``; None when the op is not found."""
+    target: object = torch.ops
+    for part in call.op.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return None
+    if not is_op_overload(target):
+        return None
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+
+    def build(a):
+        if isinstance(a, TensorArg):
+            ph = graph.placeholder(f"arg{len(graph.nodes)}")
+            with mode:
+                ph.meta["val"] = torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
+            return ph
+        if isinstance(a, tuple):
+            return [build(x) for x in a]
+        return a
+
+    args = tuple(build(a) for a in call.args)
+    kwargs = {k: build(v) for k, v in call.kwargs}
+    return graph.call_function(target, args, kwargs)

@@ -28,7 +28,7 @@ import torch.fx as fx
 from .._torch_compat import EventType, op_schema, profiler_is_enabled
 from ..quiet import quiet_stderr
 from .opinfo import is_op_call, nbytes_hint, size_hint
-from .oprun import MAX_STANDALONE_BYTES, op_signature, real_tensors, standalone_call
+from .oprun import MAX_STANDALONE_BYTES, OpCall, node_of_call, op_signature, real_tensors, standalone_call
 
 __all__ = ["measure_scratch", "ScratchAt"]
 
@@ -195,12 +195,19 @@ class ScratchAt:
     def __init__(self, nodes: list[fx.Node]) -> None:
         self.nodes = {n.name: n for n in nodes if is_op_call(n)}  # checked by _measurable when asked
         self.measured: dict[tuple, int | None] = {}
+        self.calls: dict[OpCall, fx.Node | None] = {}
 
-    def __call__(self, name: str, strides: tuple) -> int | None:
+    def __call__(self, name: str, strides: tuple, call: OpCall | None = None) -> int | None:
         """Workspace bytes of node ``name`` with its tensor inputs at ``strides`` (one tuple per
-        tensor input, in order), or None when those are its own strides or it cannot be run."""
+        tensor input, in order), or None when those are its own strides or it cannot be run.
+
+        ``call``: the op call itself, for a node the compiler made (none named ``name`` here:
+        Inductor's ``addmm`` of an ``mm`` and an ``add``), measured at its own strides.
+        """
         node = self.nodes.get(name)
-        if node is None or not _measurable(node):
+        if node is None:
+            return None if call is None else self._of_call(call)
+        if not _measurable(node):
             return None
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         try:
@@ -209,12 +216,22 @@ class ScratchAt:
             return None
         if len(strides) != len(inputs) or tuple(map(tuple, strides)) == own or any(s is None for s in strides):
             return None
-        key = (op_signature(node), tuple(map(tuple, strides)))
+        layout = {a: tuple(st) for a, st in zip(inputs, strides)}
+        return self._measure((op_signature(node), tuple(map(tuple, strides))), node, layout)
+
+    def _of_call(self, call: OpCall) -> int | None:
+        if call not in self.calls:
+            node = node_of_call(call)
+            self.calls[call] = node if node is not None and _measurable(node) else None
+        node = self.calls[call]
+        return None if node is None else self._measure((op_signature(node), None), node, None)
+
+    def _measure(self, key: tuple, node: fx.Node, layout: Strides | None) -> int | None:
+        """``node``'s workspace with its inputs laid out as ``layout`` says, measured once per ``key``."""
         known = _known_key(key[0], node, key[1])
         if key not in self.measured and known in _KNOWN:
             self.measured[key] = _KNOWN[known]
         if key not in self.measured:
-            layout = {a: tuple(st) for a, st in zip(inputs, strides)}
             with real_tensors():
                 if _device(node).type == "cuda":
                     self.measured[key] = _run_cuda(node, layout)
