@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
-
-from typing import NamedTuple
 
 from .._torch_compat import FakeTensorMode, disable_current_modes, is_op_overload
 from .opinfo import size_hint

@@ -195,7 +195,8 @@ class ScratchAt:
     def __init__(self, nodes: list[fx.Node]) -> None:
         self.nodes = {n.name: n for n in nodes if is_op_call(n)}  # checked by _measurable when asked
         self.measured: dict[tuple, int | None] = {}
-        self.calls: dict[OpCall, fx.Node | None] = {}
+        self.calls: dict[OpCall, tuple[fx.Node, tuple] | None] = {}
+        """Each call asked for: the node that runs it and its measurement key (None: it cannot run)."""
 
     def __call__(self, name: str, strides: tuple, call: OpCall | None = None) -> int | None:
         """Workspace bytes of node ``name`` with its tensor inputs at ``strides`` (one tuple per
@@ -222,9 +223,9 @@ class ScratchAt:
     def _of_call(self, call: OpCall) -> int | None:
         if call not in self.calls:
             node = node_of_call(call)
-            self.calls[call] = node if node is not None and _measurable(node) else None
-        node = self.calls[call]
-        return None if node is None else self._measure((op_signature(node), None), node, None)
+            self.calls[call] = (node, (op_signature(node), None)) if node is not None and _measurable(node) else None
+        known = self.calls[call]
+        return None if known is None else self._measure(known[1], known[0], None)
 
     def _measure(self, key: tuple, node: fx.Node, layout: Strides | None) -> int | None:
         """``node``'s workspace with its inputs laid out as ``layout`` says, measured once per ``key``."""
