@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import logging
@@ -56,7 +57,7 @@ from .report import build_plan
 from .solvers.registry import solve, solve_within
 from .solvers.schedule import decision as decision_of
 from .solvers.twice import nested_least
-from .solvers.types import Decision, SolveOptions
+from .solvers.types import Decision, RematProblem, SolveOptions
 
 __all__ = [
     "partition",
@@ -66,6 +67,7 @@ __all__ = [
     "Choice",
     "TIGHTEN_ROUNDS",
     "CLOSE_ENOUGH",
+    "FILL_ROUNDS",
     "NEGLIGIBLE_RECOMPUTE",
     "INDUCTOR_ALLOWANCE",
     "NO_BUDGET_MIN_GAIN",
@@ -80,6 +82,10 @@ __all__ = [
 # more than 1 - CLOSE_ENOUGH of it unused. At most TIGHTEN_ROUNDS candidates are lowered.
 TIGHTEN_ROUNDS = 6
 CLOSE_ENOUGH = 0.97
+# When the solver's plans jump over the budget (the fitting one far below it, the next one over:
+# min-cut's plans change at discrete trade-offs, every identical layer at once), plans in between
+# keep the fitting plan's values and part of the faster plan's: at most FILL_ROUNDS more are lowered.
+FILL_ROUNDS = 4
 # Loosening stops once a fitting plan's estimated recompute time is below this share of the
 # step's estimated compute: what is left to gain is within timing noise.
 NEGLIGIBLE_RECOMPUTE = 0.01
@@ -624,6 +630,63 @@ def _finish(best: Lowered, whole: Decision, judge, budget: int) -> Lowered:
 SEARCHING_SOLVERS = ("auto", "mincut", "ilp")
 
 
+def _filled(
+    problem: RematProblem, best: Lowered, over: Lowered | None, fastest: Decision, judge, budget: int
+) -> Lowered:
+    """``best``, or a faster plan between it and ``over`` (else ``fastest``) whose programs still fit.
+
+    ``best`` fits and leaves more than ``1 - CLOSE_ENOUGH`` of the budget unused; the faster plan peaks
+    over it. Their kept sets differ by many values at once (min-cut switches every identical layer at
+    the same trade-off). Plans in between keep all of ``best``'s values and the first ``k`` of the
+    faster plan's others, most recompute time saved per byte first; keeping more is always a valid
+    plan. ``k`` is aimed by the secant of the programs' peak against the bytes added, judged on the
+    programs, at most ``FILL_ROUNDS`` lowerings: the same graph gives the same plan.
+    """
+    if best.peak >= CLOSE_ENOUGH * budget or best.decision.twice:
+        return best
+    toward = over.decision if over is not None else fastest
+    base = set(best.decision.kept)
+
+    def size(v: int) -> int:
+        return problem.nbytes[problem.storage[v]]
+
+    extra = sorted(set(toward.kept) - base, key=lambda v: (-problem.seconds[v] / max(size(v), 1), v))
+    added = [0]
+    for v in extra:
+        added.append(added[-1] + size(v))
+    # (k, programs' peak) of the nearest plans known to fit and to peak over the budget
+    lo, lo_peak = 0, best.peak
+    hi, hi_peak = (len(extra), over.peak) if over is not None else (len(extra) + 1, None)
+    found = best
+    aim = (1 + CLOSE_ENOUGH) / 2 * budget
+    for _ in range(FILL_ROUNDS):
+        if hi - lo <= 1 or found.peak >= CLOSE_ENOUGH * budget:
+            break
+        # bytes to add for the programs to peak at ``aim``: by the secant through the known plans, else one to one
+        slope = (hi_peak - lo_peak) / max(added[hi] - added[lo], 1) if hi_peak is not None else 1.0
+        want = added[lo] + (aim - lo_peak) / max(slope, 1e-9)
+        k = min(max(bisect.bisect_right(added, want) - 1, lo + 1), hi - 1)
+        decision = decision_of(problem, base | set(extra[:k]), budget, best.decision.solver)
+        if decision.recompute_seconds >= found.decision.recompute_seconds:
+            lo = k  # nothing to gain yet: look further
+            continue
+        lowered = judge(decision)
+        log.debug(
+            "fxremat: %d of %d more values kept -> programs peak %d (budget %d)", k, len(extra), lowered.peak, budget
+        )
+        if lowered.peak <= budget:
+            lo, lo_peak, found = k, lowered.peak, lowered
+        else:
+            hi, hi_peak = k, lowered.peak
+    if found is best:
+        return best
+    note = (
+        f"{len(found.decision.kept) - len(best.decision.kept)} more values kept than the solver's plan "
+        f"({format_bytes(best.peak)} -> {format_bytes(found.peak)}), between it and a faster plan that peaks over"
+    )
+    return replace(found, decision=replace(found.decision, note="; ".join(filter(None, [best.decision.note, note]))))
+
+
 def _pytorchs(analysis: Analysis, reference: Reference | None) -> Decision | None:
     """PyTorch's own partition (plain ``torch.compile``'s) as a decision; None without one."""
     names = reference.saved() if reference is not None else None
@@ -997,6 +1060,7 @@ def _choose(
     least: Lowered | None = None
     tried: set[int] = set()
     fits_at, over_at = 0, None  # the highest target whose plan fit, the lowest whose plan did not
+    over: Lowered | None = None  # the candidate that peaked least over the budget
     negligible = NEGLIGIBLE_RECOMPUTE * sum(problem.seconds)
     for _ in range(TIGHTEN_ROUNDS):
         tried.add(target)
@@ -1021,6 +1085,8 @@ def _choose(
             break
         else:
             over_at = target if over_at is None else min(over_at, target)
+            if over is None or lowered.peak < over.peak:
+                over = lowered
             # The programs peak higher than the solver's estimate: aim lower.
             step_to = target - (lowered.peak - budget) - 1
         # Between a target that fit and one that did not, halve the interval.
@@ -1030,6 +1096,7 @@ def _choose(
     if best is not None:
         if search != options.solver:
             best = _finish(best, solve(problem, best_target, options.solver, solve_options), judge, budget)
+        best = _filled(problem, best, over, fastest, judge, budget)
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, UNKNOWN)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:
