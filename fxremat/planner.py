@@ -631,7 +631,13 @@ SEARCHING_SOLVERS = ("auto", "mincut", "ilp")
 
 
 def _filled(
-    problem: RematProblem, best: Lowered, over: Lowered | None, fastest: Decision, judge, budget: int
+    problem: RematProblem,
+    best: Lowered,
+    over: Lowered | None,
+    fastest: Decision,
+    judge,
+    budget: int,
+    negligible: float = 0.0,
 ) -> Lowered:
     """``best``, or a faster plan between it and ``over`` (else ``fastest``) whose programs still fit.
 
@@ -640,9 +646,10 @@ def _filled(
     the same trade-off). Plans in between keep all of ``best``'s values and the first ``k`` of the
     faster plan's others, most recompute time saved per byte first; keeping more is always a valid
     plan. ``k`` is aimed by the secant of the programs' peak against the bytes added, judged on the
-    programs, at most ``FILL_ROUNDS`` lowerings: the same graph gives the same plan.
+    programs, at most ``FILL_ROUNDS`` lowerings: the same graph gives the same plan. Not when ``best``
+    recomputes ``negligible`` seconds or less: there is nothing left worth a lowering.
     """
-    if best.peak >= CLOSE_ENOUGH * budget or best.decision.twice:
+    if best.peak >= CLOSE_ENOUGH * budget or best.decision.twice or best.decision.recompute_seconds <= negligible:
         return best
     toward = over.decision if over is not None else fastest
     base = set(best.decision.kept)
@@ -1096,7 +1103,7 @@ def _choose(
     if best is not None:
         if search != options.solver:
             best = _finish(best, solve(problem, best_target, options.solver, solve_options), judge, budget)
-        best = _filled(problem, best, over, fastest, judge, budget)
+        best = _filled(problem, best, over, fastest, judge, budget, negligible)
         return Choice(best, fastest, True, best.decision.note, time.perf_counter() - started, UNKNOWN)
     # The least-memory search is bounded by work, not time: a BudgetError names the same least peak under any load.
     if least is None:

@@ -55,3 +55,16 @@ def test_a_plan_close_to_the_budget_is_left_as_it_is():
     calls.clear()
     assert planner._filled(problem, best, None, fastest, judge, best.peak + 1) is best
     assert not calls
+
+
+def test_a_plan_that_recomputes_next_to_nothing_is_left_as_it_is():
+    problem = transformer(layers=2, pointwise=2, seq=128, hidden=64, heads=2, batch=2)
+    fastest = solve(problem, None, "save_all")
+    calls: list = []
+    judge = _judge(calls)
+    best = judge(solve(problem, 1, "mincut"))
+    calls.clear()
+    budget = 2 * best.peak
+    assert planner._filled(problem, best, None, fastest, judge, budget, best.decision.recompute_seconds) is best
+    assert not calls
+    assert planner._filled(problem, best, None, fastest, judge, budget) is not best
