@@ -41,6 +41,8 @@ import time
 import warnings
 from pathlib import Path
 
+from docblock import write_block  # benchmarks/, the script's own folder
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # Every run plans afresh: the plan cache (fxremat/plan_cache.py) would hide planning time and planner changes.
@@ -266,13 +268,7 @@ def render(results: list[dict]) -> str:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    old = doc.read_text() if doc.exists() else ""
-    if BEGIN in old:
-        head, rest = old.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        doc.write_text(head + text + tail)
-    else:
-        doc.write_text(old.rstrip() + "\n\n## Loss chunking\n\n" + text + "\n")
+    write_block(doc, text, BEGIN, END, "Loss chunking")
 
 
 def main(argv=None) -> None:

@@ -46,24 +46,24 @@ def test_a_plan_between_a_fitting_plan_and_a_faster_one_uses_the_budget(share):
     assert planner._filled(problem, best, over, fastest, judge, budget).decision.kept == got.decision.kept
 
 
-def test_a_plan_close_to_the_budget_is_left_as_it_is():
+def _least_plan():
+    """A 2-layer problem, its fastest plan, a counting judge, its calls, and the least plan judged."""
     problem = transformer(layers=2, pointwise=2, seq=128, hidden=64, heads=2, batch=2)
-    fastest = solve(problem, None, "save_all")
     calls: list = []
     judge = _judge(calls)
     best = judge(solve(problem, 1, "mincut"))
     calls.clear()
+    return problem, solve(problem, None, "save_all"), judge, calls, best
+
+
+def test_a_plan_close_to_the_budget_is_left_as_it_is():
+    problem, fastest, judge, calls, best = _least_plan()
     assert planner._filled(problem, best, None, fastest, judge, best.peak + 1) is best
     assert not calls
 
 
 def test_a_plan_that_recomputes_next_to_nothing_is_left_as_it_is():
-    problem = transformer(layers=2, pointwise=2, seq=128, hidden=64, heads=2, batch=2)
-    fastest = solve(problem, None, "save_all")
-    calls: list = []
-    judge = _judge(calls)
-    best = judge(solve(problem, 1, "mincut"))
-    calls.clear()
+    problem, fastest, judge, calls, best = _least_plan()
     budget = 2 * best.peak
     assert planner._filled(problem, best, None, fastest, judge, budget, best.decision.recompute_seconds) is best
     assert not calls
