@@ -63,6 +63,7 @@ def run_model(name: str, rounds: int) -> dict:
         torch.manual_seed(0)
         work = compare.MODELS[name](False)
         work.model.train()
+        row["description"] = work.description
         fn = (
             torch.compile(work.model)
             if options is None
@@ -97,7 +98,6 @@ def run_model(name: str, rounds: int) -> dict:
     for key, ts in times.items():
         row[f"{key}_step_s"] = statistics.median(ts)
         row[f"{key}_min_s"] = min(ts)
-    row["description"] = compare.MODELS[name](False).description
     row["fxremat"] = compare.git_state()
     return row
 
