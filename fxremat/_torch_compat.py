@@ -41,6 +41,7 @@ __all__ = [
     "inductor_kernel_args",
     "inductor_graph_lowering",
     "inductor_program_events",
+    "returning_inputs_as_given",
     "tree_leaves",
     "tree_map",
     "OpOverload",
@@ -285,8 +286,34 @@ def profiler_is_enabled() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
+def returning_inputs_as_given(gm: torch.fx.GraphModule) -> None:
+    """Mark the forward's outputs that are its own inputs as user-visible, so Inductor returns them as given.
+
+    Inductor's layout optimisation (on by default where a graph has convolutions) lays a
+    convolution's input and weight out channels-last, and when the forward also returns that
+    input for the backward (a weight, the batch) it returns the channels-last copy in its place:
+    one more copy of every convolution weight alive from forward to backward (timm resnet18:
+    +35 MB on 84 MB). A user-visible output keeps the strides it had in the graph
+    (``GraphLowering.run_node``), so the convolution copies its input for itself and frees it.
+    Private: Inductor reads the ``user_visible_output_idxs`` and ``original_output_strides``
+    metadata of the output node, which ``compile_fx`` writes just before its inner compile.
+    """
+    out = gm.graph.output_node()
+    if "original_output_strides" not in out.meta:
+        compile_fx.record_original_output_strides(gm)
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
+    visible = set(out.meta.get("user_visible_output_idxs", ()))
+    visible |= {i for i, v in enumerate(values) if isinstance(v, torch.fx.Node) and v.op == "placeholder"}
+    out.meta["user_visible_output_idxs"] = sorted(visible)
+
+
 def inductor_program_events(
-    gm: torch.fx.GraphModule, *, is_backward: bool, donated: list[int] | None = None, vectorized: bool = False
+    gm: torch.fx.GraphModule,
+    *,
+    is_backward: bool,
+    donated: list[int] | None = None,
+    strides: dict[int, tuple[int, ...]] | None = None,
+    vectorized: bool = False,
 ) -> list[tuple]:
     """The memory events of the program Inductor generates for ``gm``, in its order.
 
@@ -303,6 +330,9 @@ def inductor_program_events(
         donated: positions of the backward's placeholders AOTAutograd donates
             (saved tensors no forward input, user output or gradient shares):
             Inductor may write into them in place.
+        strides: placeholder position -> the strides its value arrives with, where they
+            differ from the graph's: a backward's saved values as the compiled forward laid
+            them out (AOTAutograd compiles the backward with those).
         vectorized: generate the C++ kernels' vectorized variants as the real
             compile does. Off by default: on CPU they are 30-60% of a lowering's
             time and change no buffer, no reuse and no order (the same events on
@@ -318,7 +348,9 @@ def inductor_program_events(
         extern kernel ``("kernel", origin_names, (fx node, input strides))``: the node it
         runs and the strides Inductor gives its tensor inputs, and for a node Inductor's own
         passes made (no node of ``gm``: ``mm`` and ``add`` folded into ``addmm``)
-        ``(fx node, input strides, passes.oprun.OpCall)``: the call, to measure its workspace.
+        ``(fx node, input strides, passes.oprun.OpCall)``: the call, to measure its workspace;
+        last, ``("outputs", strides)``: the strides of each output as the program returns it
+        (None where it is not a tensor).
     """
     import copy
 
@@ -339,6 +371,22 @@ def inductor_program_events(
     if fake_mode is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     view_to_reshape(gm)
+    if strides:
+        # As compile_fx_inner does: the values' strides propagated again from the inputs' (a
+        # convolution's weight gradient comes out channels-last from channels-last activations).
+        with fake_mode:
+            vals = [v.as_strided(v.size(), strides[i]) if i in strides else v for i, v in enumerate(vals)]
+        compile_fx.fake_tensor_prop(gm, vals)
+    out = gm.graph.output_node()
+    if is_backward and inductor_config.bw_outputs_user_visible:
+        # compile_fx_backward's marking: the gradients keep the strides they were traced with.
+        values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
+        out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
+    out.meta.pop("original_output_strides", None)
+    if not is_backward:
+        returning_inputs_as_given(gm)
+    else:
+        compile_fx.record_original_output_strides(gm)
     events: list[tuple] = []
 
     def nbytes(node) -> int:
@@ -418,7 +466,23 @@ def inductor_program_events(
                     events.append(("kernel", origins(line.node), extern(line.node)))
                 elif isinstance(line, w.KernelCallLine):
                     events.append(("kernel", ()))
+            out_strides: list[tuple[int, ...] | None] = []
+            for result in graph.graph_outputs or ():
+                out_strides.append(output_strides(result))
+            events.append(("outputs", tuple(out_strides)))
     return events
+
+
+def output_strides(result) -> tuple[int, ...] | None:
+    """The strides a lowered graph output (Inductor IR) is returned with; None when it is no tensor."""
+    from torch._inductor.virtualized import V
+
+    try:
+        if not result.has_tensor_output():
+            return None
+        return tuple(int(V.graph.sizevars.optimization_hint(x, fallback=0)) for x in result.get_layout().stride)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
 
 
 def default_store():

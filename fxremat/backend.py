@@ -28,6 +28,7 @@ from ._torch_compat import (
     keyed_by_program,
     min_cut_partition,
     no_autograd_cache,
+    returning_inputs_as_given,
     torch_version_ok,
 )
 from .budget import BudgetError
@@ -37,6 +38,7 @@ from .options import Options
 from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
 from .compile_scope import Vetoed, remembering
+from .conv_layout import channels_last_pays
 from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
@@ -105,9 +107,13 @@ def _keyed_by_program(compile_program: Callable) -> Callable:
     """``compile_program`` with Inductor's FX graph cache keyed on the program and its settings, not
     on the partitioner that made it: a program a later plan of the graph leaves unchanged (the
     forward after the first step shows the logits dropped) is then served from the cache, not
-    generated again. The partitioner has run by then; what it decided is the program itself."""
+    generated again. The partitioner has run by then; what it decided is the program itself.
+    A forward returns the inputs it saves as given (``returning_inputs_as_given``), as the planner's
+    dry lowering assumed."""
 
     def compile_keyed(gm: fx.GraphModule, example_inputs, **kwargs):
+        if not kwargs.get("is_backward"):
+            returning_inputs_as_given(gm)
         with keyed_by_program():
             return compile_program(gm, example_inputs, **kwargs)
 
@@ -162,11 +168,20 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
         patches: dict[str, object] = {"custom_partitioner_fn": FxrematPartitioner(options, sync_ranks=dry is False)}
         # The planner judges each plan on the program Inductor generates under these same
         # settings (passes/inductor_memory.py), so they change memory, not the truth of a prediction.
-        # Layout optimisation converts every convolution weight to channels-last in the forward
-        # and saves the copies for the backward (as many bytes as the weights), converting each
-        # weight gradient back: timm's resnet18 (batch 8, 64 px, CPU) measured 80.2 MiB and
-        # 147 ms with it, 51.3 MiB and 105 ms without (docs/FAQ.md).
-        patches["layout_optimization"] = False
+        # Channels-last convolutions (Inductor's layout optimisation) with no budget, where the
+        # activations outweigh the weights (conv_layout.py); the forward then returns the inputs it
+        # saves as given, not channels-last copies of them (``_keyed_by_program``). Under a budget
+        # they stay off: their weight copies raise the least reachable peak.
+        channels_last = channels_last_pays(gm) if options.budget is None else False
+        if channels_last is not None:
+            log.info("fxremat: convolutions %s", "channels-last" if channels_last else "in the graph's layout")
+        if channels_last is False:
+            patches["layout_optimization"] = False
+        elif channels_last:
+            # The FX graph cache keys a program on its code and settings, not on which outputs are
+            # marked user-visible: it would serve plain torch.compile's forward of the same graph,
+            # which returns channels-last copies of the weights (2.8 MB more on the benchmark CNN).
+            patches["fx_graph_cache"] = False
         if options.budget is not None:
             # Buffer reuse holds a dead buffer until a later allocation of its size takes it:
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.

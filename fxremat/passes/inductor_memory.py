@@ -15,6 +15,11 @@ compiled) and replays its allocations and frees:
 - backward: starts holding the saved storages and the tangents; a saved storage
   is freed when the program deletes its last reference, unless a forward input
   or a still-held user output shares it; the gradients it returns stay alive.
+  It is lowered for the strides its saved values arrive with, the ones the
+  forward's program returns them at (channels-last activations where Inductor
+  lays convolutions out so), as AOTAutograd compiles it; a gradient it returns at
+  other strides than its parameter's is copied by autograd into ``.grad``'s
+  layout, one more such gradient alive at its end.
 
 Measured op workspace (``passes/scratch.py``) is added while the kernel that
 needs it runs.
@@ -184,21 +189,30 @@ def predict_step(
     scratch = scratch_by_name or {}
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
     caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
+    fw_events = program_events(fw, is_backward=False)
     if forward_peak is None:
-        fw_events = program_events(fw, is_backward=False)
         held: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
         forward_peak, _ = replay(fw_events, held, 0, scratch, scratch_at)
 
     outputs = outputs_of(fw)
     by_name = {n.name: n for n in outputs if isinstance(n, fx.Node)}
     user = _user_outputs(fw, num_fwd_outputs, caller)
-    bw_events = program_events(bw, is_backward=True, donated=donated_inputs(fw, bw, num_fwd_outputs))
+    bw_events = program_events(
+        bw,
+        is_backward=True,
+        donated=donated_inputs(fw, bw, num_fwd_outputs),
+        strides=arrival_strides(fw_events, fw, bw),
+    )
     # A scalar loss's seed gradient is alive through the backward (passes/simulate.py).
     seeds = seed_gradient_bytes(bw)
+    # Autograd copies a gradient returned at other strides than its parameter's before it becomes
+    # ``.grad`` (the layout contract), one after the other, all of them still held.
+    copy = max(restrided_gradient_bytes(bw_events, bw), default=0)
     steps = {}
     for released in (outputs_released, not outputs_released):
         inputs, start = _backward_inputs(bw, by_name, caller, {} if released else user, seeds)
-        steps[released] = (replay(bw_events, inputs, start, scratch, scratch_at)[0], start)
+        peak, end = replay(bw_events, inputs, start, scratch, scratch_at)
+        steps[released] = (max(peak, end + copy), start)
     backward_peak, start = steps[outputs_released]
     return InductorStep(
         max(forward_peak, backward_peak),
@@ -207,6 +221,48 @@ def predict_step(
         start,
         max(forward_peak, steps[not outputs_released][0]),
     )
+
+
+def arrival_strides(fw_events: list[tuple], fw: fx.GraphModule, bw: fx.GraphModule) -> dict[int, tuple[int, ...]]:
+    """``bw``'s placeholder positions whose saved value the compiled forward returns with other strides
+    than the graph's (layout optimisation lays convolutions' activations out channels-last), and those
+    strides: AOTAutograd compiles the backward for the strides the forward returned."""
+    returned = next((e[1] for e in reversed(fw_events) if e[0] == "outputs"), None)
+    if returned is None:
+        return {}
+    position: dict[str, int] = {}
+    for i, node in enumerate(outputs_of(fw)):
+        if isinstance(node, fx.Node):
+            position.setdefault(node.name, i)
+    strides: dict[int, tuple[int, ...]] = {}
+    for j, ph in enumerate(bw.graph.find_nodes(op="placeholder")):
+        at = position.get(ph.name)
+        val = ph.meta.get("val")
+        if is_tangent(ph) or at is None or at >= len(returned) or not isinstance(val, torch.Tensor):
+            continue
+        stride = returned[at]
+        if (
+            stride is not None
+            and len(stride) == val.dim()
+            and val.layout == torch.strided
+            and tuple(val.stride()) != stride
+        ):
+            strides[j] = stride
+    return strides
+
+
+def restrided_gradient_bytes(bw_events: list[tuple], bw: fx.GraphModule) -> list[int]:
+    """The bytes of each gradient the compiled backward returns at other strides than the graph traced
+    (a convolution's weight gradient made from channels-last activations)."""
+    returned = next((e[1] for e in reversed(bw_events) if e[0] == "outputs"), None)
+    if returned is None:
+        return []
+    sizes = []
+    for node, stride in zip(outputs_of(bw), returned):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor) and stride is not None and tuple(val.stride()) != stride:
+            sizes.append(val.numel() * val.element_size())
+    return sizes
 
 
 def _user_outputs(fw: fx.GraphModule, num_fwd_outputs: int, caller: set) -> dict[object, int]:
@@ -257,15 +313,22 @@ def _backward_inputs(bw: fx.GraphModule, by_name: dict, caller: set, pinned: dic
 # ------------------------------------------------------------ programs lowered once
 
 
-def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] | None = None) -> list[tuple]:
-    """``inductor_program_events`` of ``gm``, lowered once per process for the same program.
+def program_events(
+    gm: fx.GraphModule,
+    *,
+    is_backward: bool,
+    donated: list[int] | None = None,
+    strides: dict[int, tuple[int, ...]] | None = None,
+) -> list[tuple]:
+    """``inductor_program_events`` of ``gm``, lowered once per process for the same program
+    (``strides``: see ``inductor_program_events``).
 
     Graphs with symbolic sizes are lowered every time (their fingerprint would need the
     shape environment's hints).
     """
-    key = _fingerprint(gm, is_backward, donated)
+    key = _fingerprint(gm, is_backward, donated, strides)
     if key is None:
-        return inductor_program_events(gm, is_backward=is_backward, donated=donated)
+        return inductor_program_events(gm, is_backward=is_backward, donated=donated, strides=strides)
     events = _PROGRAMS.get(key)
     if events is not None:
         _PROGRAMS.move_to_end(key)
@@ -273,7 +336,7 @@ def program_events(gm: fx.GraphModule, *, is_backward: bool, donated: list[int] 
     if key in _PENDING:
         events = _collect(key)
     if events is None:
-        events = inductor_program_events(gm, is_backward=is_backward, donated=donated)
+        events = inductor_program_events(gm, is_backward=is_backward, donated=donated, strides=strides)
     _PROGRAMS[key] = events
     while len(_PROGRAMS) > PROGRAMS_KEPT:
         _PROGRAMS.popitem(last=False)
@@ -369,12 +432,15 @@ def forget_programs() -> None:
     stop_lowering(list(_PENDING))
 
 
-def _fingerprint(gm: fx.GraphModule, is_backward: bool, donated: list[int] | None) -> str | None:
+def _fingerprint(
+    gm: fx.GraphModule, is_backward: bool, donated: list[int] | None, strides: dict | None = None
+) -> str | None:
     """What Inductor's program for ``gm`` depends on, hashed; None when a size is symbolic."""
     digest = hashlib.sha256()
     # The partitioner made ``gm``: the lowering does not call it (each compile has its own).
     settings = compiler_config_digest(ignoring=("custom_partitioner_fn",))
-    digest.update(f"{is_backward} {sorted(donated or [])} {settings}\n".encode())
+    arrival = sorted((strides or {}).items())
+    digest.update(f"{is_backward} {sorted(donated or [])} {arrival} {settings}\n".encode())
     digest.update(gm.graph.python_code("self").src.encode())
     # Subgraphs of higher-order ops (flex attention's score functions, wrapped regions) are attributes.
     for path, module in gm.named_modules():
