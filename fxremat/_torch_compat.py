@@ -138,10 +138,22 @@ def no_autograd_cache():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
+class _PlannedProgram(CustomPartitionerFn):
+    """Stands in for fxremat's partitioner while Inductor compiles a program it made (never called)."""
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        raise RuntimeError("fxremat: _PlannedProgram only keys Inductor's FX graph cache; it partitions nothing")
+
+    def uuid(self) -> str:
+        return "fxremat: a planned program, whose forward returns the inputs it saves as given"
+
+
 def keyed_by_program():
     """Inductor keys its FX graph cache on ``custom_partitioner_fn``'s uuid even when it compiles a
-    program the partitioner already made; without it, a program a re-plan left unchanged is a hit."""
-    return inductor_config.patch(custom_partitioner_fn=None)
+    program the partitioner already made; keyed on one constant instead, a program a re-plan left
+    unchanged is a hit. Not None (plain ``torch.compile``'s key): its forward of the same program
+    returns channels-last copies of the weights it saves (``returning_inputs_as_given``)."""
+    return inductor_config.patch(custom_partitioner_fn=_PlannedProgram())
 
 
 # Inductor's FX graph cache reads the shape environment of Dynamo's TracingContext (torch._guards):

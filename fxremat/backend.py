@@ -177,11 +177,6 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             log.info("fxremat: convolutions %s", "channels-last" if channels_last else "in the graph's layout")
         if channels_last is False:
             patches["layout_optimization"] = False
-        elif channels_last:
-            # The FX graph cache keys a program on its code and settings, not on which outputs are
-            # marked user-visible: it would serve plain torch.compile's forward of the same graph,
-            # which returns channels-last copies of the weights (2.8 MB more on the benchmark CNN).
-            patches["fx_graph_cache"] = False
         if options.budget is not None:
             # Buffer reuse holds a dead buffer until a later allocation of its size takes it:
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.
