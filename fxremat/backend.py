@@ -172,7 +172,9 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
         # activations outweigh the weights (conv_layout.py); the forward then returns the inputs it
         # saves as given, not channels-last copies of them (``_keyed_by_program``). Under a budget
         # they stay off: their weight copies raise the least reachable peak.
-        channels_last = channels_last_pays(gm) if options.budget is None else False
+        channels_last = channels_last_pays(gm)
+        if channels_last and options.budget is not None:
+            channels_last = False
         if channels_last is not None:
             log.info("fxremat: convolutions %s", "channels-last" if channels_last else "in the graph's layout")
         if channels_last is False:

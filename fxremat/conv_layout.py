@@ -95,11 +95,11 @@ def convolution_bytes(gm: fx.GraphModule) -> tuple[int, int]:
 
 def channels_last_pays(gm: fx.GraphModule) -> bool | None:
     """Whether Inductor's layout optimisation pays for ``gm``'s training step; None without 2-d convolutions
-    or with symbolic sizes (Inductor's own choice stands)."""
+    (nothing to lay out). With symbolic sizes, False: the bytes are not known."""
     try:
         activations, weights = convolution_bytes(gm)
     except _Symbolic:
-        return None
+        return False
     if weights == 0:
         return None
     return activations >= CHANNELS_LAST_FROM * weights

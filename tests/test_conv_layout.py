@@ -49,3 +49,13 @@ def test_a_grouped_convolutions_activations_do_not_count_its_weight_does():
     graph = _traced(depthwise, torch.randn(8, 16, 32, 32))
     assert convolution_bytes(graph) == (0, depthwise.weight.numel() * 4)
     assert channels_last_pays(graph) is False
+
+
+def test_symbolic_sizes_keep_the_graphs_layout():
+    model = torch.nn.Conv2d(3, 16, 3, padding=1)
+
+    def run(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    graph = make_fx(run, tracing_mode="symbolic")(dict(model.named_parameters()), torch.randn(8, 3, 32, 32))
+    assert channels_last_pays(graph) is False
