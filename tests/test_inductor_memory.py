@@ -190,13 +190,14 @@ def test_scalar_kernels_give_the_programs_vectorized_ones_do(monkeypatch, name):
     assert compared and all(compared), compared
 
 
-class _WideConvs(torch.nn.Module):
-    """Convolutions with large weights and small images: Inductor's layout optimisation would save a
-    channels-last copy of every weight for the backward (as many bytes as the weights)."""
+class _ConvStack(torch.nn.Module):
+    """Three ``channels`` x ``channels`` 3x3 convolutions: at 128 channels on 8x8 images the weights
+    outweigh the activations (Inductor's layout optimisation would save a channels-last copy of every
+    weight for the backward); at 64 on 16x16, batch 8, the activations outweigh them by little."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels: int) -> None:
         super().__init__()
-        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(128, 128, 3, padding=1) for _ in range(3))
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(channels, channels, 3, padding=1) for _ in range(3))
 
     def forward(self, x):
         for conv in self.convs:
@@ -207,7 +208,7 @@ class _WideConvs(torch.nn.Module):
 def test_a_cnn_without_a_budget_makes_no_weight_copies_and_is_predicted():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = _WideConvs(), torch.randn(2, 128, 8, 8)
+    model, x = _ConvStack(128), torch.randn(2, 128, 8, 8)
     weights = sum(c.weight.numel() * 4 for c in model.convs)
     compiled = torch.compile(model, backend="fxremat", options={"hand_over_grads": False})
     compiled(x).backward()
@@ -266,7 +267,7 @@ def test_a_cached_forward_returning_channels_last_copies_is_not_served(monkeypat
     def run() -> tuple[int, int]:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model, x = _WideChannelsLast(), torch.randn(8, 64, 16, 16)
+        model, x = _ConvStack(64), torch.randn(8, 64, 16, 16)
         compiled = torch.compile(model, backend="fxremat", options={"hand_over_grads": False})
         compiled(x).backward()
         m = fxremat.measure(lambda: compiled(x).backward(), reps=1, warmup=1)
@@ -278,20 +279,6 @@ def test_a_cached_forward_returning_channels_last_copies_is_not_served(monkeypat
         unmarked, _ = run()
     measured, predicted = run()
     assert abs(measured - predicted) <= 0.001 * measured, (measured, predicted, unmarked)
-
-
-class _WideChannelsLast(torch.nn.Module):
-    """Convolutions whose activations outweigh their weights (channels-last) by little: a copy of the
-    weights is a large share of the step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(3))
-
-    def forward(self, x):
-        for conv in self.convs:
-            x = torch.relu(conv(x))
-        return x.square().mean()
 
 
 def test_under_a_budget_convolutions_keep_the_graphs_layout():
