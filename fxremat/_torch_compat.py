@@ -313,7 +313,7 @@ def returning_inputs_as_given(gm: torch.fx.GraphModule) -> None:
     out = gm.graph.output_node()
     if "original_output_strides" not in out.meta:
         compile_fx.record_original_output_strides(gm)
-    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
+    values = _returned(out)
     visible = set(out.meta.get("user_visible_output_idxs", ()))
     visible |= {i for i, v in enumerate(values) if isinstance(v, torch.fx.Node) and v.op == "placeholder"}
     out.meta["user_visible_output_idxs"] = sorted(visible)
@@ -392,8 +392,7 @@ def inductor_program_events(
     out = gm.graph.output_node()
     if is_backward and inductor_config.bw_outputs_user_visible:
         # compile_fx_backward's marking: the gradients keep the strides they were traced with.
-        values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
-        out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
+        out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(_returned(out)) if isinstance(v, torch.fx.Node)]
     out.meta.pop("original_output_strides", None)
     if not is_backward:
         returning_inputs_as_given(gm)
@@ -478,14 +477,16 @@ def inductor_program_events(
                     events.append(("kernel", origins(line.node), extern(line.node)))
                 elif isinstance(line, w.KernelCallLine):
                     events.append(("kernel", ()))
-            out_strides: list[tuple[int, ...] | None] = []
-            for result in graph.graph_outputs or ():
-                out_strides.append(output_strides(result))
-            events.append(("outputs", tuple(out_strides)))
+            events.append(("outputs", tuple(_output_strides(result) for result in graph.graph_outputs or ())))
     return events
 
 
-def output_strides(result) -> tuple[int, ...] | None:
+def _returned(out: torch.fx.Node) -> tuple:
+    """The values an output node returns, in order (Inductor's reading of its arguments)."""
+    return tuple(out.args[0]) if isinstance(out.args[0], (tuple, list)) else tuple(out.args)
+
+
+def _output_strides(result) -> tuple[int, ...] | None:
     """The strides a lowered graph output (Inductor IR) is returned with; None when it is no tensor."""
     from torch._inductor.virtualized import V
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .passes.invariants import outputs_of
+
 __all__ = ["CHANNELS_LAST_FROM", "channels_last_pays", "convolution_bytes"]
 
 CHANNELS_LAST_FROM = 1.5
@@ -112,6 +114,4 @@ def channels_last_pays(gm: fx.GraphModule) -> bool | None:
 
 def _returns_images(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` returns a 4-d tensor to its caller (a feature map, not a loss or logits)."""
-    out = gm.graph.output_node()
-    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
-    return any((val := _value(v)) is not None and val.dim() == 4 for v in values)
+    return any((val := _value(v)) is not None and val.dim() == 4 for v in outputs_of(gm))
