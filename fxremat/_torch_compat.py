@@ -42,6 +42,7 @@ __all__ = [
     "inductor_graph_lowering",
     "inductor_program_events",
     "returning_inputs_as_given",
+    "lays_out_convolutions",
     "tree_leaves",
     "tree_map",
     "OpOverload",
@@ -296,6 +297,13 @@ def op_schema(target: object) -> Any:
 def profiler_is_enabled() -> bool:
     """Whether a torch profiler session is running in this process."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+# Inductor's layout optimisation is its private config flag `layout_optimization` (patched per graph by fxremat's backend).
+def lays_out_convolutions() -> bool:
+    """Whether Inductor's layout optimisation is on in the settings of the compile now running
+    (channels-last convolutions on CPU with oneDNN, ``GraphLowering.decide_layout_opt``)."""
+    return bool(inductor_config.layout_optimization)
 
 
 def returning_inputs_as_given(gm: torch.fx.GraphModule) -> None:

@@ -30,7 +30,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from ._torch_compat import classify_nodes, default_partition, prepare_joint
+from ._torch_compat import classify_nodes, default_partition, lays_out_convolutions, prepare_joint
 from .budget import BudgetError, format_bytes
 from .options import Options
 from .plan import Plan
@@ -285,9 +285,12 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     if options.calibrate:
         costs = calibrate_costs(joint, costs)
     seconds["cost"], t = time.perf_counter() - t, time.perf_counter()
-    scratch = measure_scratch(list(joint.graph.nodes)) if options.measure_scratch else {}
-    seconds["scratch"], t = time.perf_counter() - t, time.perf_counter()
     fusion = options.inner == "inductor"
+    # Inductor runs convolutions channels-last under its layout optimisation (on where
+    # fxremat's backend leaves it on: conv_layout.py), and their workspace depends on it.
+    channels_last = fusion and lays_out_convolutions()
+    scratch = measure_scratch(list(joint.graph.nodes), channels_last) if options.measure_scratch else {}
+    seconds["scratch"], t = time.perf_counter() - t, time.perf_counter()
     forward = set(info.required_fw_nodes)
     fused = fused_nodes(joint.graph, costs, forward) if fusion else set()
     pairs = inplace_pairs(joint.graph, costs, fused, forward) if fusion else []
