@@ -25,13 +25,14 @@ from ._torch_compat import (
     CustomPartitionerFn,
     aot_autograd,
     compile_fx,
+    copy_dynamo_graph,
     keyed_by_program,
     min_cut_partition,
     no_autograd_cache,
     returning_inputs_as_given,
     torch_version_ok,
 )
-from .budget import BudgetError
+from .budget import BudgetError, format_bytes
 from .chunking import compile_choosing_chunks
 from .grads import handing_over
 from .options import Options
@@ -164,17 +165,46 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
                 partition_fn=functools.partial(_partition_guarded, options=options, sync_ranks=dry is False),
                 keep_inference_input_mutations=True,
             )(gm, example_inputs)
+        # Channels-last convolutions (Inductor's layout optimisation) where the activations outweigh
+        # the weights (conv_layout.py); the forward then returns the inputs it saves as given, not
+        # channels-last copies of them (``_keyed_by_program``). Under a budget, only where the budget
+        # is within their reach: their copies of the batch and the weights can raise the least
+        # reachable peak, so a budget they do not meet is planned again in the graph's layout.
+        channels_last = channels_last_pays(gm)
+        if channels_last and options.budget is not None:
+            return compile_within_reach(gm, example_inputs, options)
+        return compile_inductor(gm, example_inputs, options, channels_last)
+
+    def compile_within_reach(gm: fx.GraphModule, example_inputs, options: Options):
+        """A budgeted graph whose convolutions pay channels-last: with them where the budget is
+        within reach, else in the graph's layout where it is within reach there; out of reach both
+        ways, in the layout whose least reachable peak is lower (a refusal names that one). The
+        attempts refuse rather than run a least plan; the last compile reuses the plan its attempt
+        made (``compile_scope.remembering``)."""
+        strict = dataclasses.replace(options, on_infeasible="error")
+        refused: dict[bool, BudgetError] = {}
+        for layout in (True, False):
+            try:
+                return compile_inductor(copy_dynamo_graph(gm), example_inputs, strict, layout)
+            except BudgetError as error:
+                refused[layout] = error
+                if layout:
+                    log.info(
+                        "fxremat: with channels-last convolutions the least reachable peak is %s (budget %s); "
+                        "planning in the graph's layout",
+                        format_bytes(error.least_peak),
+                        format_bytes(error.budget),
+                    )
+        lower = refused[True].least_peak < refused[False].least_peak
+        if options.on_infeasible == "error":
+            raise refused[lower]
+        return compile_inductor(gm, example_inputs, options, lower)
+
+    def compile_inductor(gm: fx.GraphModule, example_inputs, options: Options, channels_last: bool | None):
         # Inductor's FX graph cache, keyed by the partitioner's uuid, still skips code generation.
         patches: dict[str, object] = {"custom_partitioner_fn": FxrematPartitioner(options, sync_ranks=dry is False)}
         # The planner judges each plan on the program Inductor generates under these same
         # settings (passes/inductor_memory.py), so they change memory, not the truth of a prediction.
-        # Channels-last convolutions (Inductor's layout optimisation) with no budget, where the
-        # activations outweigh the weights (conv_layout.py); the forward then returns the inputs it
-        # saves as given, not channels-last copies of them (``_keyed_by_program``). Under a budget
-        # they stay off: their weight copies raise the least reachable peak.
-        channels_last = channels_last_pays(gm)
-        if channels_last and options.budget is not None:
-            channels_last = False
         if channels_last is not None:
             log.info("fxremat: convolutions %s", "channels-last" if channels_last else "in the graph's layout")
         if channels_last is False:
