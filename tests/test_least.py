@@ -53,7 +53,8 @@ _CONV_BACKWARD_SCRATCH = {
 }  # fmt: skip
 
 
-def _frozen_scratch(nodes):
+def _frozen_scratch(nodes, channels_last=False):
+    assert not channels_last  # the eager inner compiler lays nothing out
     conv_backward = torch.ops.aten.convolution_backward.default
     return {
         n: _CONV_BACKWARD_SCRATCH[tuple(n.args[2].meta["val"].shape)]
