@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # Type-check first (about 30 s cold), then the suite.
 test: lint
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # Format check, lint and type check (settings: [tool.ruff], [tool.mypy] in pyproject.toml).
 # `make format` rewrites the files ruff format would change.
