@@ -61,14 +61,15 @@ def measure_scratch(nodes: list[fx.Node], channels_last: bool = False) -> dict[f
         if not _measurable(node):
             continue
         layout = _channels_last(node) if channels_last else None
-        key = op_signature(node) if layout is None else (op_signature(node), _LAID_OUT)
+        # Keyed by the input strides as ``ScratchAt`` keys them: its replay asks for these same runs.
+        key = (op_signature(node), None if layout is None else _strides(node, layout))
         if layout is not None and key not in first:
             layouts[key] = layout  # the inputs of the node that runs for the key
         first.setdefault(key, node)
         keyed.append((node, key))
     if not first:
         return {}
-    known = {k: _known_key(*_split(k), n) for k, n in first.items()}
+    known = {k: _known_key(k[0], k[1], n) for k, n in first.items()}
     measured = {k: _KNOWN[known[k]] for k in first if known[k] in _KNOWN}
     todo = {k: n for k, n in first.items() if k not in measured}
     if todo:
@@ -82,22 +83,15 @@ def measure_scratch(nodes: list[fx.Node], channels_last: bool = False) -> dict[f
             # another op reads too keeps its own strides there.
             laid_out = [k for k in cpu if k in layouts]
             if laid_out:
-                runs.update(_run_cpu([(k, todo[k]) for k in laid_out], _merged(layouts[k] for k in laid_out)))
+                merged = {a: st for k in laid_out for a, st in layouts[k].items()}
+                runs.update(_run_cpu([(k, todo[k]) for k in laid_out], merged))
         for k, nbytes in runs.items():
             _KNOWN[known[k]] = nbytes
         measured.update(runs)
     return {node: measured.get(key, 0) for node, key in keyed}
 
 
-_LAID_OUT = "channels_last"
-"""The second part of a measurement key whose convolution ran with channels-last inputs."""
-
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-
-
-def _split(key: tuple) -> tuple[tuple, tuple | str | None]:
-    """A ``measure_scratch`` key as (op signature, layout) for ``_known_key``."""
-    return (key[0], key[1]) if len(key) == 2 and key[1] == _LAID_OUT else (key, None)
 
 
 def _channels_last(node: fx.Node) -> Strides | None:
@@ -114,14 +108,13 @@ def _channels_last(node: fx.Node) -> Strides | None:
     return layout or None
 
 
-def _merged(layouts) -> Strides:
-    merged: Strides = {}
-    for layout in layouts:
-        merged.update(layout)
-    return merged
+def _strides(node: fx.Node, layout: Strides) -> tuple:
+    """The strides of ``node``'s tensor inputs (one tuple each, in order) with ``layout`` applied."""
+    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return tuple(layout.get(a) or tuple(size_hint(st) for st in a.meta["val"].stride()) for a in inputs)
 
 
-def _known_key(signature: tuple, strides: tuple | str | None, node: fx.Node) -> tuple:
+def _known_key(signature: tuple, strides: tuple | None, node: fx.Node) -> tuple:
     return (signature, str(_device(node)), strides)
 
 
