@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import fxremat
 from fxremat.backend import _compile_reference
+from fxremat.solvers.types import FORWARD
 
 from checks import compare
 
@@ -129,3 +130,60 @@ def test_the_slack_is_part_of_the_plan_key_and_ignored_under_a_budget():
 def test_a_bad_slack_names_the_option_and_the_valid_range(value):
     with pytest.raises(ValueError, match=r"time_slack=.* between 0 and 1"):
         fxremat.Options.from_mapping({"time_slack": value})
+
+
+class _Conv1D(nn.Module):
+    """HF GPT-2's linear layer: ``addmm(bias, x, weight)`` with the weight stored (in, out). Its weight
+    gradient is ``x.t() @ grad``: PyTorch's partitioner saves that transpose, a node only the backward uses."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class _GPT2MLP(nn.Module):
+    def __init__(self, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.fc = nn.ModuleList(_Conv1D(width, 4 * width) for _ in range(layers))
+        self.proj = nn.ModuleList(_Conv1D(4 * width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for fc, proj in zip(self.fc, self.proj):
+            x = x + proj(torch.nn.functional.gelu(fc(x), approximate="tanh"))
+        return x.square().mean()
+
+
+def test_pytorchs_own_partition_is_judged_as_pytorch_runs_it(monkeypatch):
+    """The saved values PyTorch computes in the forward but the planner's problem places in the backward
+    (the transposed input of a weight gradient) are kept through the forward values they come from.
+    Dropped, the plan judged as PyTorch's recomputed both layers' ``addmm`` in the backward (a tiny HF
+    GPT-2 with that plan: 19 backward kernels against plain torch.compile's 12)."""
+    from fxremat import planner
+    from fxremat.passes.reference import as_decision
+
+    seen = {}
+    real = planner.choose
+
+    def spy(analysis, options, name, reference=None, check=None):
+        seen["analysis"], seen["reference"] = analysis, reference
+        return real(analysis, options, name, reference, check)
+
+    monkeypatch.setattr(planner, "choose", spy)
+    torch.manual_seed(0)
+    model = _GPT2MLP()
+    compiled = _compiled(model)
+    compiled(torch.randn(4, 32, 64)).backward()
+    analysis, reference = seen["analysis"], seen["reference"]
+    names = reference.saved()
+    graph = analysis.graph
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    outside = [n for n in names if n in index and graph.problem.phase[index[n]] != FORWARD]
+    transposes = {torch.ops.aten.t.default, torch.ops.aten.permute.default}
+    assert any(graph.nodes[index[n]].target in transposes for n in outside), outside
+    theirs = as_decision(graph, names)
+    recomputed = {graph.nodes[i].target for i in theirs.recomputed}
+    assert not recomputed & {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}, recomputed
