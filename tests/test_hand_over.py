@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import fxremat
 from fxremat.grads import HAND_OVER_OP
-from fxremat.passes.hand_over import hand_over_gradients, handed_over
+from fxremat.passes.hand_over import SMALL_GRADIENTS_SHARE, hand_over_gradients, handed_over
 
 WIDTH, DEPTH, BATCH = 256, 6, 32
 
@@ -204,6 +204,31 @@ def test_a_gradient_passed_through_from_a_tangent_or_shared_is_not_handed_over()
     # The tangent itself, and two outputs sharing one storage, stay returned; the own one is handed over.
     assert hand_over_gradients(bw, [0, 1, 2, 3], 4, HAND_OVER_OP) == (3,)
     assert [m.meta["fxremat_hand_over"] for m in handed_over(bw)] == [3]
+
+
+def test_the_smallest_gradients_stay_returned_when_their_bytes_do_not_matter():
+    """Biases and norm weights (here 2 x 64 bytes next to 40,000): a hand-over each would cost a call
+    and split the fused kernels around it, for memory under SMALL_GRADIENTS_SHARE of the gradients'."""
+
+    def bw_graph(sizes):
+        g = fx.Graph()
+        tangent = g.placeholder("tangents_1")
+        tangent.meta["val"] = torch.empty(4)
+        outs = []
+        for size in sizes:
+            grad = g.call_function(torch.ops.aten.new_ones.default, (tangent, [size]))
+            grad.meta["val"] = torch.empty(size)
+            outs.append(grad)
+        g.output(tuple(outs))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert SMALL_GRADIENTS_SHARE * 40_000 >= 2 * 64
+    assert hand_over_gradients(bw_graph([16, 10_000, 16]), [0, 1, 2], 3, HAND_OVER_OP) == (1,)
+    # Equal sizes: none is small next to the others.
+    assert hand_over_gradients(bw_graph([16, 16, 16]), [0, 1, 2], 3, HAND_OVER_OP) == (0, 1, 2)
+    # 1% of the 1,620 bytes is 16.2: the 4-byte gradient stays returned; with it, the 16-byte one would
+    # pass the share, so it is handed over.
+    assert hand_over_gradients(bw_graph([1, 100, 100, 100, 100, 4]), list(range(6)), 6, HAND_OVER_OP) == (1, 2, 3, 4, 5)
 
 
 def test_the_op_outside_fxremats_backward_raises_clearly():
