@@ -106,7 +106,10 @@ class Options:
     with ``.grad`` already allocated (gradient accumulation, ``zero_grad(set_to_none=False)``)
     each gradient is added in and freed at once. Where autograd must see the gradients
     (``torch.autograd.grad``, hooks on a parameter, ``retain_graph``, ``torch.distributed``) they
-    are returned as before. False: always return them at the end."""
+    are returned as before; so are the smallest gradients, at most 1% of the bytes (biases, norm
+    weights), and with no budget all of them where handing them over would lower the step's peak
+    by less than 2% (each hand-over costs a call and splits the fused kernels around it).
+    False: always return them at the end."""
     grads_allocated: bool | None = None
     """Whether the parameters' ``.grad`` exist when the backward runs (gradient accumulation,
     ``zero_grad(set_to_none=False)``): the backward then adds each gradient in and frees it

@@ -985,7 +985,9 @@ def _note_grads(graph: TrackedGraph, exist: bool) -> None:
     if exist:
         graph.returned_peak = plan.predicted_peak
         peak = plan.released_accumulating_peak if graph.released else plan.accumulating_peak
-        note = "the parameters' .grad exist before the backward: predicted with the gradients added in as made"
+        note = "the parameters' .grad exist before the backward"
+        if peak != plan.predicted_peak:
+            note += ": predicted with the gradients added in as made"
         graph.plan = dataclasses.replace(plan, predicted_peak=peak, note="; ".join(filter(None, [plan.note, note])))
     else:
         assert graph.returned_peak is not None

@@ -171,6 +171,26 @@ def test_memory_falls_by_the_gradients_and_is_predicted():
     assert peaks[False] - peaks[True] >= grads // 2, (peaks, grads)
 
 
+def test_with_no_budget_gradients_that_set_no_peak_are_returned_at_the_end(built):
+    """A batch of 4096 rows: the backward peaks at its start, where the activations are alive, and
+    the 1.5 MiB of gradients returned at its end raise no peak. With no budget the backward that hands
+    them over (a Python call each, kernels split around it) is then not built."""
+    model, compiled, reference = _pair()
+    x = torch.randn(4096, WIDTH)
+    _steps(compiled, reference, x, n=3)
+    _assert_grads_equal(model, reference)
+    assert built() == 0
+    (plan,) = fxremat.running_plans()[-1:]
+    assert "gradients returned at the backward's end" in plan.note
+    assert plan.released_accumulating_peak == plan.released_peak == plan.predicted_peak  # the outputs dropped
+    # Under a budget the handing version is kept: the budget may need what it frees.
+    fxremat.clear_plans()
+    model, compiled, reference = _pair(budget=plan.predicted_peak + (1 << 20))
+    _steps(compiled, reference, x, n=3)
+    _assert_grads_equal(model, reference)
+    assert built() >= 1  # (and again for the plan of steps adding into .grad, where it gets one)
+
+
 def test_inductor_adds_gradients_into_grad_and_matches_eager():
     model = _mlp()
     reference = copy.deepcopy(model)
