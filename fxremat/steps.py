@@ -371,7 +371,7 @@ class TrackedGraph:
         if self.for_grads is not None and self.compiled is not None:
             own = self.plan
             if own is not None and self.returned_peak is not None:
-                own = dataclasses.replace(own, predicted_peak=self.returned_peak)
+                own = dataclasses.replace(own, predicted_peak=self.returned_peak, note=_without_grads_note(own.note))
             self.variants[self.for_grads] = (self.compiled, own)
         self.for_grads = grads
         if grads in self.variants:
@@ -972,6 +972,15 @@ def _node(outputs) -> weakref.ref | None:
     return None
 
 
+# The running plan's note while its backward finds the parameters' .grad allocated: taken out again when
+# one does not (a loop that sets .grad to None every few micro-batches appended it at each switch).
+GRADS_EXIST_NOTE = "the parameters' .grad exist before the backward"
+
+
+def _without_grads_note(note: str) -> str:
+    return "; ".join(part for part in note.split("; ") if not part.startswith(GRADS_EXIST_NOTE))
+
+
 def _note_grads(graph: TrackedGraph, exist: bool) -> None:
     """The running plan's prediction follows whether this backward finds the parameters' ``.grad``
     allocated (its gradients are then added in as they are made, ``fxremat/grads.py``) or not (they
@@ -985,14 +994,14 @@ def _note_grads(graph: TrackedGraph, exist: bool) -> None:
     if exist:
         graph.returned_peak = plan.predicted_peak
         peak = plan.released_accumulating_peak if graph.released else plan.accumulating_peak
-        note = "the parameters' .grad exist before the backward"
+        note = GRADS_EXIST_NOTE
         if peak != plan.predicted_peak:
             note += ": predicted with the gradients added in as made"
         graph.plan = dataclasses.replace(plan, predicted_peak=peak, note="; ".join(filter(None, [plan.note, note])))
     else:
         assert graph.returned_peak is not None
         peak, graph.returned_peak = graph.returned_peak, None
-        graph.plan = dataclasses.replace(plan, predicted_peak=peak)
+        graph.plan = dataclasses.replace(plan, predicted_peak=peak, note=_without_grads_note(plan.note))
     log.info(
         "fxremat %s: the parameters' .grad %s before the backward; predicted peak %s -> %s (same plan)",
         plan.graph,
