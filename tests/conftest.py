@@ -66,3 +66,25 @@ def _programs_lowered_afresh():
 
     forget_programs()
     yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` (``make test``): the ``xdist_group`` of a test ends its node id, as xdist does.
+
+    xdist 3.8's workers append ``@group`` to ``item._nodeid``, which pytest 9.2 no longer reads (the
+    node id is ``item._id``): no test had a group, and the tests of one group, which share one compile
+    in one process (``tests/inductor_watch.py``), ran on both workers and compiled on each. Here,
+    after xdist's own hook, a grouped test whose id does not end with its group gets it.
+    """
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        suffix = f"@{'_'.join(names)}"
+        if names and not item.nodeid.endswith(suffix):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)

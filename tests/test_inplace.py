@@ -3,18 +3,13 @@ and the candidates the simulation takes against the reuses Inductor really makes
 
 from __future__ import annotations
 
-import copy
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import fxremat
-from fxremat import planner
-from fxremat._torch_compat import inductor_config, inductor_kernel_args
 from fxremat.hardware import get_hardware
 from fxremat.passes.cost import annotate
 from fxremat.passes.fusion import fused_nodes
@@ -23,8 +18,8 @@ from fxremat.solvers import schedule
 from fxremat.solvers.types import BACKWARD, FORWARD, RematProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import inductor_watch  # noqa: E402
 from test_schedule import problem as schedule_problem  # noqa: E402
-from zoo import ZOO  # noqa: E402
 
 F, B = FORWARD, BACKWARD
 
@@ -128,51 +123,14 @@ def test_no_candidate_while_another_reader_may_run_later():
 # --------------------------------------------------------------------------
 
 
-def _compile(name: str, budget, monkeypatch):
-    """Compile a zoo model under fxremat; return (our in-place writers, Inductor's, plan, measured peak)."""
-    done: list[list[str]] = []
-    origins: dict[str, set[str]] = {}  # Inductor buffer -> the fx nodes it computes
-
-    def post_fusion(nodes):
-        for node in nodes:
-            for out in node.get_outputs():
-                origins.setdefault(out.get_name(), set()).update(o.name for o in getattr(out.node, "origins", ()))
-        done.append([])
-        return nodes
-
-    make_inplace = inductor_kernel_args.make_inplace
-
-    def record(self, input_name, output_name):
-        done[-1].append(output_name)
-        return make_inplace(self, input_name, output_name)
-
-    monkeypatch.setattr(inductor_kernel_args, "make_inplace", record)
-    torch._dynamo.reset()
-    fxremat.clear_plans()
-    base, inputs = ZOO[name]()
-    # Gradients returned at the end (hand_over_grads off): only the planned forward and backward are
-    # compiled, the last two programs the hooks see.
-    compiled = torch.compile(
-        copy.deepcopy(base),
-        backend=fxremat.backend(budget=budget, on_infeasible="min", inner="inductor", hand_over_grads=False),
-    )
-    with (
-        inductor_config.patch(_post_fusion_custom_pass=post_fusion, fx_graph_cache=False),
-        warnings.catch_warnings(),
-        planner.watch() as planned,
-    ):
-        warnings.simplefilter("ignore")
-        compiled(*inputs).backward()
-        measured = fxremat.measure(lambda: compiled(*inputs).backward(), reps=1, warmup=1)
-    sim = planned[-1][1].lowered.simulation
-    ours = {sim.names[writer] for writer, _ in sim.timeline.reused}
-    theirs = set().union(*(origins.get(name, {name}) for program in done[-2:] for name in program))
-    return ours, theirs, fxremat.plans()[-1], measured.peak_bytes
-
-
-@pytest.mark.parametrize("name,budget", [("llama", 1), ("transformer", 1), ("gpt2", None)])
-def test_every_reuse_the_simulation_takes_is_one_inductor_makes(name, budget, monkeypatch):
-    ours, theirs, plan, measured = _compile(name, budget, monkeypatch)
+# One compile per model and budget serves these checks and test_fusion's (inductor_watch.py):
+# Llama with one layer (inductor_watch.SIZES), as there.
+@pytest.mark.parametrize(
+    "name,budget", [inductor_watch.param("llama", 1), inductor_watch.param("transformer", 1), ("gpt2", None)]
+)
+def test_every_reuse_the_simulation_takes_is_one_inductor_makes(name, budget):
+    seen = inductor_watch.observe(name, budget)
+    ours, theirs, plan, measured = seen.reused, seen.inplace, seen.plan, seen.measured
     assert ours, f"{name}: the simulation took no in-place reuse; the pass is not running"
     assert ours <= theirs, f"{name}: assumed in-place but Inductor allocates: {sorted(ours - theirs)}"
     assert measured <= plan.predicted_peak, (measured, plan.predicted_peak)
