@@ -223,7 +223,9 @@ def test_a_loss_outside_the_graph_has_room_from_the_first_step(recwarn):
     loss = compiled(x).square().mean()
     loss.backward()
     compare(ref, ref_loss, model, loss)
-    assert [p for p in fxremat.running_plans() if p.graph not in before] == [plan]  # not planned again
+    # Not planned again: the same graph and plan (its note follows whether the step found .grad).
+    again = [(p.graph, p.kept, p.predicted_peak) for p in fxremat.running_plans() if p.graph not in before]
+    assert again == [(plan.graph, plan.kept, plan.predicted_peak)]
     assert not [str(w.message) for w in recwarn if "outside the compiled model" in str(w.message)]
 
 
