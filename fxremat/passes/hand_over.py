@@ -73,13 +73,14 @@ def hand_over_gradients(bw: fx.GraphModule, indices: list[int], inputs: int, op)
         key = storage_of(g)
         if not isinstance(val, torch.Tensor) or key is None or key in passed_in or sharing.get(key, 0) > 1:
             continue
-        own[k] = val.numel() * val.element_size() if isinstance(val.numel(), int) else -1
-    small, total = 0, sum(max(0, b) for b in own.values())
-    for k in sorted(own, key=lambda k: (own[k], k)):
-        if own[k] < 0 or small + own[k] > SMALL_GRADIENTS_SHARE * total:
-            break
-        small += own[k]
-        del own[k]
+        own[k] = val.numel() * val.element_size()
+    if all(isinstance(b, int) for b in own.values()):  # symbolic sizes: every gradient is handed over
+        small, total = 0, sum(own.values())
+        for k in sorted(own, key=lambda k: (own[k], k)):
+            if small + own[k] > SMALL_GRADIENTS_SHARE * total:
+                break
+            small += own[k]
+            del own[k]
     handed = []
     for k in indices:
         if k not in own:

@@ -96,10 +96,10 @@ def as_decision(
     problem = graph.problem
     index = {n: i for i, n in enumerate(graph.nodes)}
     wanted = set(names)
-    kept = {i for i, n in enumerate(graph.nodes) if n.name in wanted and problem.phase[i] == FORWARD}
+    kept: set[int] = set()
     for i, n in enumerate(graph.nodes):
-        if n.name in wanted and problem.phase[i] != FORWARD:
-            kept.update(_forward_sources(n, index, problem))
+        if n.name in wanted:
+            kept.update([i] if problem.phase[i] == FORWARD else _forward_sources(n, index, problem))
     return decision(problem, sorted(kept), budget, solver, note=note)
 
 
