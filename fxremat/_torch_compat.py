@@ -8,6 +8,7 @@ checks it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,7 @@ __all__ = [
     "has_grad_hooks",
     "compile_context_now",
     "copy_dynamo_graph",
+    "trace_through_logging_function",
 ]
 
 # The torch releases fxremat is tested with, as (major, minor) bounds: >=2.13, <2.15.
@@ -271,6 +273,21 @@ def extract_programs(
     fw = _partitioners.thread_graphsafe_rng_from_hops(fw, is_backward=False)
     bw = _partitioners.thread_graphsafe_rng_from_hops(bw, is_backward=True)
     return fw, bw
+
+
+# ------------------------------------------------------------ graph breaks (graph_breaks.py)
+
+
+# Dynamo breaks the graph at every logging.Logger method call, unless the function is in its config's
+# `ignore_logging_functions` (a private module; its hint for this break names that set).
+def trace_through_logging_function(function: Callable[..., object]) -> bool:
+    """Let Dynamo trace a call of the logging function ``function`` as a no-op instead of breaking the
+    graph there; True when it was not let through before."""
+    ignored = torch._dynamo.config.ignore_logging_functions
+    if function in ignored:
+        return False
+    ignored.add(function)
+    return True
 
 
 # ------------------------------------------------------------ op targets and the profiler (passes/)

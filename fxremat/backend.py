@@ -35,6 +35,7 @@ from ._torch_compat import (
 from .budget import BudgetError, format_bytes
 from .chunking import compile_choosing_chunks
 from .grads import handing_over
+from . import graph_breaks
 from .options import Options
 from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
@@ -47,6 +48,8 @@ from .verify import input_names, verified
 __all__ = ["backend", "fxremat_backend", "FxrematPartitioner", "build_compiler", "eager_compiler"]
 
 log = logging.getLogger("fxremat")
+# ``torch.compile(model, backend="fxremat")`` loads this module before Dynamo traces the model.
+graph_breaks.install()
 
 
 class FxrematPartitioner(CustomPartitionerFn):

@@ -154,8 +154,7 @@ def gpt2():
         n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
     )
     cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(cfg)
-    model.loss_type = "ForCausalLM"  # unset, transformers warns inside forward and breaks the graph
+    model = GPT2LMHeadModel(cfg)  # no loss_type: its warning is traced through (fxremat/graph_breaks.py)
     return HFLoss(model), (torch.randint(0, 256, (2, 32)),)
 
 
