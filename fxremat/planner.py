@@ -42,6 +42,7 @@ from .passes.fusion import fused_nodes
 from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
 from .passes.forked import workers as forked_workers
 from .passes.inductor_memory import donated_inputs, predict_step, start_lowering, stop_lowering
+from .passes.index_put_sums import fold_sums_into_index_put
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
 from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes, specialize_sizes
@@ -233,6 +234,9 @@ def partition(
         # (copied before prepare_joint edits the graph).
         reference = Reference(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
     joint, recomputes_rng = prepare_joint(joint)
+    folded = fold_sums_into_index_put(joint)
+    if folded:
+        log.debug("fxremat: %d gradient sums accumulated into an embedding's index_put", folded)
     info = classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
     if len(info.required_bw_nodes) == 0:
         # Nothing needs a backward (e.g. no input requires grad): nothing to plan.
