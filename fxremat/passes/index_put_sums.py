@@ -47,7 +47,7 @@ def _zeros(node: object) -> bool:
         isinstance(node, fx.Node)
         and node.op == "call_function"
         and node.target in (aten.full.default, aten.zeros.default)
-        and (node.target is aten.zeros.default or node.args[1] == 0)
+        and (node.target is aten.zeros.default or bool(node.args[1] == 0))
         and len(node.users) == 1
     )
 
@@ -76,8 +76,10 @@ def fold_sums_into_index_put(gm: fx.GraphModule) -> int:
                 continue
             if not (_same_layout(other, add) and _same_layout(put, add)):
                 continue
+            target = put.target
+            assert callable(target)
             with graph.inserting_before(add):
-                into = graph.call_function(put.target, (other, *put.args[1:]), dict(put.kwargs))
+                into = graph.call_function(target, (other, *put.args[1:]), dict(put.kwargs))
             into.meta = {**put.meta, "val": add.meta["val"]}
             add.replace_all_uses_with(into)
             graph.erase_node(add)
