@@ -14,9 +14,11 @@ peak).
 two tensors of that size are alive, and no zeros. The rows are added to ``g``
 instead of to zeros first, so the sum may round differently in its last bit.
 
-The pattern is Inductor's: its decompositions split ``embedding_dense_backward`` into
-the zeros and the index-put. The eager inner compiler keeps the op whole (it makes
-only its output), and its sums are left as they are.
+Inductor's decompositions split ``embedding_dense_backward`` into the zeros and the
+index-put. The eager inner compiler keeps the op whole (its output is the third
+tensor); ``add(g, embedding_dense_backward(rows, ids, ...))`` becomes the same
+accumulating index-put into ``g`` (the rows and ids flattened, the padding index's
+rows masked out), unless it scales by frequency.
 """
 
 from __future__ import annotations
@@ -59,6 +61,46 @@ def _same_layout(a: fx.Node, b: fx.Node) -> bool:
     return va.shape == vb.shape and va.dtype == vb.dtype and va.stride() == vb.stride() and va.device == vb.device
 
 
+def _dense_backward(node: object) -> bool:
+    """An un-decomposed ``embedding_dense_backward`` without scaling by frequency."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is aten.embedding_dense_backward.default
+        and len(node.args) == 5
+        and node.args[4] is False
+        and isinstance(node.args[3], int)
+    )
+
+
+def _node(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A new node, its value computed on the fake values of its inputs (they dispatch to their own mode)."""
+
+    def value(arg):
+        if isinstance(arg, list):
+            return [value(a) for a in arg]
+        return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+    values = tuple(value(arg) for arg in args)
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*values)
+    return node
+
+
+def _accumulated(graph: fx.Graph, other: fx.Node, dense: fx.Node) -> fx.Node:
+    """``embedding_dense_backward`` added to ``other``, as an accumulating index-put into ``other``."""
+    rows, ids, _, padding, _ = dense.args
+    assert isinstance(rows, fx.Node) and isinstance(ids, fx.Node) and isinstance(padding, int)
+    hidden = other.meta["val"].shape[-1]
+    flat_ids = _node(graph, aten.reshape.default, (ids, [-1]))
+    flat_rows = _node(graph, aten.reshape.default, (rows, [-1, hidden]))
+    if padding < 0:
+        return _node(graph, aten.index_put.default, (other, [flat_ids], flat_rows, True))
+    kept = _node(graph, aten.ne.Scalar, (flat_ids, padding))
+    mask = _node(graph, aten.unsqueeze.default, (kept, -1))
+    return _node(graph, aten._unsafe_masked_index_put_accumulate.default, (other, mask, [flat_ids], flat_rows))
+
+
 def fold_sums_into_index_put(gm: fx.GraphModule) -> int:
     """Rewrite ``add(g, index_put_acc(zeros, ...))`` (either order) into ``index_put_acc(g, ...)`` in ``gm``;
     the number rewritten. Only where the index-put and its zeros have no other user, and ``g``, the
@@ -69,7 +111,18 @@ def fold_sums_into_index_put(gm: fx.GraphModule) -> int:
         if add.op != "call_function" or add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2:
             continue
         for put, other in ((add.args[1], add.args[0]), (add.args[0], add.args[1])):
-            if not (isinstance(put, fx.Node) and isinstance(other, fx.Node) and _accumulates(put)):
+            if not (isinstance(put, fx.Node) and isinstance(other, fx.Node)):
+                continue
+            if _dense_backward(put) and len(put.users) == 1 and _same_layout(other, add) and _same_layout(put, add):
+                with graph.inserting_before(add):
+                    into = _accumulated(graph, other, put)
+                into.meta = {**put.meta, "val": into.meta["val"]}
+                add.replace_all_uses_with(into)
+                graph.erase_node(add)
+                graph.erase_node(put)
+                folded += 1
+                break
+            if not _accumulates(put):
                 continue
             zeros = put.args[0]
             if len(put.users) != 1 or not _zeros(zeros):
