@@ -53,6 +53,15 @@ def test_an_undecomposed_embedding_backward_is_accumulated_into_the_other_gradie
     torch.testing.assert_close(gm(*inputs), summed(*inputs), rtol=1e-6, atol=1e-6)
 
 
+def test_a_sum_of_symbolic_size_is_left_alone():
+    vocab = torch.randn(VOCAB, HIDDEN)
+    ids = torch.randint(0, VOCAB, (TOKENS,))
+    gm = make_fx(_sum_of_gradients, tracing_mode="symbolic")(
+        vocab, (ids != 3).unsqueeze(-1), ids, torch.randn(TOKENS, HIDDEN)
+    )
+    assert fold_sums_into_index_put(gm) == 0
+
+
 def test_a_sum_that_broadcasts_is_left_alone():
     def broadcast(bias, mask, ids, rows):
         zeros = aten.full.default([VOCAB, HIDDEN], 0, dtype=torch.float32, layout=torch.strided, device="cpu")

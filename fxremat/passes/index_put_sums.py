@@ -58,6 +58,8 @@ def _same_layout(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return False
+    if not all(isinstance(d, int) for v in (va, vb) for d in (*v.shape, *v.stride())):
+        return False  # symbolic sizes (dynamic shapes): comparing them would guard on them
     return va.shape == vb.shape and va.dtype == vb.dtype and va.stride() == vb.stride() and va.device == vb.device
 
 
