@@ -62,6 +62,11 @@ ACCUMULATING_MIN_UNUSED = 0.03
 # between forward and backward, less the gradient the plan counts): square().mean() 3, mse_loss
 # 2, cross_entropy 1 (fxremat/steps.py, _note_caller).
 CALLER_RESERVE = 3
+# With no budget, the backwards watched before a graph's calls stop being watched (``_watch``): by then
+# the first steps have shown whether the caller drops the outputs. Each watched call cost about 0.1 ms
+# (a multi-grad hook, weak references, every argument's storage): 6-7% of a tiny HF GPT-2's or
+# Llama's 1.5-1.8 ms step.
+SETTLED_AFTER = 3
 
 # Compiles a graph under options: (gm, example_inputs, options) -> (callable, plan or None).
 Compile = Callable[[torch.fx.GraphModule, list, Options], tuple[Callable, "Plan | None"]]
@@ -202,6 +207,11 @@ class TrackedGraph:
         """(calls of this graph holding memory, counting this one; bytes others hold) at each repeated
         call of the running step: a graph reused for every layer of a model (graph breaks between
         layers, FSDP2 wrapping each one) runs while its own earlier calls hold their activations."""
+        self.watched = 0
+        """Backwards watched with no budget (``_watch``)."""
+        self.params_at: tuple[int, ...] | None = None
+        """With no budget, once what a backward can show is settled (``SETTLED_AFTER``): the positions of
+        the parameters among the arguments, whose ``.grad`` each call then checks instead of watching."""
 
     def ask(self, why: str, **changes) -> None:
         """Plan this graph again on its next call, with ``changes`` to its options (they add up)."""
@@ -424,7 +434,10 @@ class TrackedGraph:
         assert self.compiled is not None
         out = self.compiled(*args)
         if self.plan is not None and torch.is_grad_enabled():
-            _watch(out, args, self)
+            if self.params_at is None:
+                _watch(out, args, self)
+            elif self.options.hand_over_grads and self.params_at and _real(args[self.params_at[0]]):
+                _note_grads(self, all(args[i].grad is not None for i in self.params_at))
         return out
 
 
@@ -780,11 +793,13 @@ def _watch(out, args, graph: TrackedGraph) -> None:
     # One pass over the arguments (each call of every graph runs this: 45 arguments of a tiny GPT-2).
     inputs: set[int] = set()
     params: list[torch.Tensor] = []
-    for a in args:
+    params_at: list[int] = []
+    for i, a in enumerate(args):
         if _real(a):
             inputs.add(a.untyped_storage().data_ptr())
             if a.requires_grad and a.is_leaf:
                 params.append(a)
+                params_at.append(i)
     inputs.discard(0)
     # Outputs that alias an input (a parameter's view) hold nothing new.
     own = [o for o in outputs if o.untyped_storage().data_ptr() not in inputs]
@@ -848,10 +863,16 @@ def _watch(out, args, graph: TrackedGraph) -> None:
                 )
                 graph.ask("its outputs stay alive through the backward", release_outputs=False)
             return
-        if graph.released or options.release_outputs is not None:
-            return
         if options.budget is None:
-            _note_released(graph, plan, call)
+            # With no budget a backward changes the running plan's report, never the plan; once
+            # whether the caller drops the outputs is settled, later calls only check their .grad.
+            graph.watched += 1
+            if not graph.released and options.release_outputs is None:
+                _note_released(graph, plan, call)
+            if graph.released or options.release_outputs is not None or graph.watched >= SETTLED_AFTER:
+                graph.params_at = tuple(params_at)
+            return
+        if graph.released or options.release_outputs is not None:
             return
         alive = call.outputs_alive()
         released = plan.output_bytes - alive

@@ -187,3 +187,30 @@ def test_pytorchs_own_partition_is_judged_as_pytorch_runs_it(monkeypatch):
     theirs = as_decision(graph, names)
     recomputed = {graph.nodes[i].target for i in theirs.recomputed}
     assert not recomputed & {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}, recomputed
+
+
+def test_with_no_budget_later_calls_are_not_watched_and_the_note_still_follows_grad(monkeypatch):
+    from fxremat import steps
+
+    watched = []
+    watch = steps._watch
+    monkeypatch.setattr(steps, "_watch", lambda out, args, graph: (watched.append(1), watch(out, args, graph)))
+    torch.manual_seed(0)
+    model, x = _mlp(layers=3, width=64), torch.randn(64, 64)
+    compiled = _compiled(model)
+    for _ in range(steps.SETTLED_AFTER + 3):  # zero_grad(set_to_none=True) each step: no .grad at backward
+        model.zero_grad(set_to_none=True)
+        _step(compiled, x).backward()
+    # Each watched call costs a multi-grad hook and weak references: only the first steps pay it.
+    assert len(watched) == steps.SETTLED_AFTER
+    (running,) = fxremat.running_plans()
+    assert steps.GRADS_EXIST_NOTE not in running.note
+    for _ in range(2):  # gradient accumulation: .grad exist at each call
+        _step(compiled, x).backward()
+    (running,) = fxremat.running_plans()
+    assert steps.GRADS_EXIST_NOTE in running.note and running.predicted_peak == running.accumulating_peak
+    model.zero_grad(set_to_none=True)
+    _step(compiled, x).backward()
+    (running,) = fxremat.running_plans()
+    assert steps.GRADS_EXIST_NOTE not in running.note
+    assert len(watched) == steps.SETTLED_AFTER
