@@ -97,6 +97,9 @@ INDUCTOR_ALLOWANCE = 0.04
 # With no budget, a candidate plan is lowered and judged only when the solver's model puts
 # it at least this share, and this many bytes, below the fastest plan's peak.
 NO_BUDGET_MIN_GAIN = 0.02
+# What handing one gradient over costs the backward: a call into Python (``grads.py``), about 9 us on
+# this host class (tiny HF GPT-2), before the kernels Inductor cannot fuse across it.
+HAND_OVER_SECONDS = 9e-6
 # Nested checkpoints are taken when they lower the least plan's peak by at least this share: each
 # value recomputed twice costs its recompute time again, and code in the backward. HF GPT-2 compiled
 # whole (4 layers, hidden 256, Inductor): 156 values recomputed twice measured 38.1 MiB against 39.0
@@ -265,12 +268,9 @@ def partition(
     if sync_ranks:
         choice = follow_rank0(analysis, choice, options, name)
     released = released_peak(analysis, choice.lowered, options)
-    hands_over = _hand_over_pays(choice, released, options)
-    if not hands_over:
-        why = (
-            f"gradients returned at the backward's end: added into .grad as made, they would lower the peak by "
-            f"less than {NO_BUDGET_MIN_GAIN:.0%}"
-        )
+    why = _hand_over_unpaid(analysis, choice, released, options)
+    hands_over = why is None
+    if why is not None:
         choice = replace(choice, accumulating=None, note="; ".join(filter(None, [choice.note, why])))
     plan = planned(choice, released)
     if sync_ranks:
@@ -286,21 +286,36 @@ def partition(
     return forward, backward
 
 
-def _hand_over_pays(choice: Choice, released: int, options: Options) -> bool:
-    """Whether the backward's version that hands the gradients over is worth building.
+def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options: Options) -> str | None:
+    """Why the backward's version that hands the gradients over is not worth building, or None when it is.
 
     Under a budget it always is (the budget may need the memory). With no budget, only when
     it lowers the step's peak with ``.grad`` allocated by ``NO_BUDGET_MIN_GAIN`` at least
-    (the caller's outputs alive or dropped): each hand-over is a call into Python and splits
-    Inductor's kernels, a cost the no-budget default's time slack does not count. The zoo's
-    tiny HF Llama gains nothing with its logits dropped (1,032,732 bytes either way) and
-    stepped 1.29x plain ``torch.compile``'s with them handed over, a median of 1.16x without.
+    (the caller's outputs alive or dropped), and when its calls into Python
+    (``HAND_OVER_SECONDS`` each) fit in the no-budget default's time slack: they split
+    Inductor's kernels too, a cost the solver's estimate does not count. The zoo's tiny HF
+    Llama gains nothing with its logits dropped (1,032,732 bytes either way) and stepped
+    1.29x plain ``torch.compile``'s with them handed over, a median of 1.16x without; the
+    tiny ViT gains memory but stepped 1.18x plain's with them, 1.02x without.
     """
     if options.budget is not None or options.grads_allocated is True or choice.accumulating is None:
-        return True
+        return None
     handed = choice.accumulating
     returned = (choice.lowered.peak, released)  # the gradients returned, the outputs alive or dropped
-    return any(h < (1 - NO_BUDGET_MIN_GAIN) * r for h, r in zip(handed, returned))
+    if not any(h < (1 - NO_BUDGET_MIN_GAIN) * r for h, r in zip(handed, returned)):
+        return (
+            f"gradients returned at the backward's end: added into .grad as made, they would lower the peak by "
+            f"less than {NO_BUDGET_MIN_GAIN:.0%}"
+        )
+    step = sum(analysis.graph.problem.seconds) + choice.lowered.decision.recompute_seconds
+    cost = len(analysis.param_outputs) * HAND_OVER_SECONDS
+    if cost > options.time_slack * step:
+        return (
+            f"gradients returned at the backward's end: adding them into .grad as made takes up to "
+            f"{len(analysis.param_outputs)} calls into Python (~{cost * 1e3:.2g} ms), more than the time slack "
+            f"({options.time_slack:.0%} of the estimated {step * 1e3:.3g} ms step)"
+        )
+    return None
 
 
 def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int, recomputes_rng: bool) -> Analysis:

@@ -28,10 +28,15 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)])
 
 
+# With no budget the gradients are handed over only where their calls into Python fit in the time
+# slack (planner.HAND_OVER_SECONDS): this MLP's step is too short for 12 at the default 2%.
+SLACK = 0.5
+
+
 def _pair(**options):
     model = _mlp()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", **options})
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "time_slack": SLACK, **options})
     return model, compiled, reference
 
 
@@ -183,13 +188,13 @@ def test_with_no_budget_gradients_that_set_no_peak_are_returned_at_the_end(built
     them over (a Python call each, kernels split around it) is then not built."""
     torch._dynamo.reset()  # else Dynamo compiles this batch size as a dynamic one, after other tests' size
     fxremat.clear_plans()
-    model, compiled, reference = _pair()
+    model, compiled, reference = _pair(time_slack=0.02)  # the default: the plan whose peak is the backward's start
     x = torch.randn(4096, WIDTH)
     _steps(compiled, reference, x, n=3)
     _assert_grads_equal(model, reference)
     assert built() == 0
     (plan,) = fxremat.running_plans()[-1:]
-    assert "gradients returned at the backward's end" in plan.note
+    assert "they would lower the peak by less than" in plan.note
     assert plan.released_accumulating_peak == plan.released_peak == plan.predicted_peak  # the outputs dropped
     # Under a budget the handing version is kept: the budget may need what it frees.
     fxremat.clear_plans()
@@ -202,7 +207,7 @@ def test_with_no_budget_gradients_that_set_no_peak_are_returned_at_the_end(built
 def test_inductor_adds_gradients_into_grad_and_matches_eager():
     model = _mlp()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="fxremat")
+    compiled = torch.compile(model, backend="fxremat", options={"time_slack": SLACK})
     x = torch.randn(BATCH, WIDTH)
     _steps(compiled, reference, x, n=3)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
