@@ -39,7 +39,7 @@ from .passes.calibrate import calibrate_costs
 from .hardware import get_hardware
 from .passes.cost import NodeCost, annotate
 from .passes.fusion import fused_nodes
-from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
+from .passes.hand_over import HAND_OVER_SPEC, gradients_to_hand_over, hand_over_gradients
 from .passes.forked import workers as forked_workers
 from .passes.inductor_memory import donated_inputs, predict_step, start_lowering, stop_lowering
 from .passes.index_put_sums import fold_sums_into_index_put
@@ -308,11 +308,12 @@ def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options
             f"less than {NO_BUDGET_MIN_GAIN:.0%}"
         )
     step = sum(analysis.graph.problem.seconds) + choice.lowered.decision.recompute_seconds
-    cost = len(analysis.param_outputs) * HAND_OVER_SECONDS
+    calls = len(gradients_to_hand_over(choice.lowered.backward, list(analysis.param_outputs)))
+    cost = calls * HAND_OVER_SECONDS
     if cost > options.time_slack * step:
         return (
-            f"gradients returned at the backward's end: adding them into .grad as made takes up to "
-            f"{len(analysis.param_outputs)} calls into Python (~{cost * 1e3:.2g} ms), more than the time slack "
+            f"gradients returned at the backward's end: adding them into .grad as made takes "
+            f"{calls} calls into Python (~{cost * 1e3:.2g} ms), more than the time slack "
             f"({options.time_slack:.0%} of the estimated {step * 1e3:.3g} ms step)"
         )
     return None

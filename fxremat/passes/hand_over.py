@@ -22,7 +22,14 @@ import torch.fx as fx
 
 from .invariants import storage_of
 
-__all__ = ["HAND_OVER", "HAND_OVER_SPEC", "SMALL_GRADIENTS_SHARE", "hand_over_gradients", "handed_over"]
+__all__ = [
+    "HAND_OVER",
+    "HAND_OVER_SPEC",
+    "SMALL_GRADIENTS_SHARE",
+    "gradients_to_hand_over",
+    "hand_over_gradients",
+    "handed_over",
+]
 
 # The smallest gradients, together at most this share of the bytes of the gradients that could be
 # handed over, are returned at the end instead. Each hand-over is a call into Python (about 9 us)
@@ -59,6 +66,31 @@ def hand_over_gradients(bw: fx.GraphModule, indices: list[int], inputs: int, op)
     out = next(iter(bw.graph.find_nodes(op="output")))
     outs = list(out.args[0])
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    own = gradients_to_hand_over(bw, indices)
+    handed = []
+    for k in indices:
+        if k not in own:
+            continue
+        g = outs[k]
+        val = g.meta["val"]
+        last = max((u for u in g.users if u is not out), key=order.__getitem__, default=g)
+        with bw.graph.inserting_after(last):
+            marker = bw.graph.call_function(op, (g, k, inputs))
+        marker.meta["val"] = val.new_empty(0)
+        marker.meta[HAND_OVER] = k
+        outs[k] = marker
+        handed.append(k)
+    if handed:
+        out.args = (type(out.args[0])(outs),)
+        bw.recompile()
+    return tuple(handed)
+
+
+def gradients_to_hand_over(bw: fx.GraphModule, indices: list[int]) -> dict[int, int]:
+    """The gradients ``hand_over_gradients`` hands over: output index -> bytes (symbolic under dynamic
+    shapes); ``bw`` is not changed."""
+    out = next(iter(bw.graph.find_nodes(op="output")))
+    outs = list(out.args[0])
     passed_in = {storage_of(p) for p in bw.graph.find_nodes(op="placeholder")} - {None}
     sharing: dict[object, int] = {}
     for o in outs:
@@ -81,23 +113,7 @@ def hand_over_gradients(bw: fx.GraphModule, indices: list[int], inputs: int, op)
                 break
             small += own[k]
             del own[k]
-    handed = []
-    for k in indices:
-        if k not in own:
-            continue
-        g = outs[k]
-        val = g.meta["val"]
-        last = max((u for u in g.users if u is not out), key=order.__getitem__, default=g)
-        with bw.graph.inserting_after(last):
-            marker = bw.graph.call_function(op, (g, k, inputs))
-        marker.meta["val"] = val.new_empty(0)
-        marker.meta[HAND_OVER] = k
-        outs[k] = marker
-        handed.append(k)
-    if handed:
-        out.args = (type(out.args[0])(outs),)
-        bw.recompile()
-    return tuple(handed)
+    return own
 
 
 def handed_over(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
