@@ -14,7 +14,7 @@ Dynamo traces such a call as a no-op where the function is in its
 the process: a plain ``torch.compile`` that runs after fxremat was loaded traces
 through the same calls. It is made when fxremat is loaded, or, where ``transformers``
 is imported later, as soon as its logging module is: the graphs do not depend on the
-order of the imports, nor on ``torch._dynamo.reset()`` (which keeps Dynamo's config).
+order of the imports, nor on a reset of Dynamo (which keeps Dynamo's config).
 """
 
 from __future__ import annotations

@@ -103,6 +103,15 @@ def _accumulated(graph: fx.Graph, other: fx.Node, dense: fx.Node) -> fx.Node:
     return _node(graph, aten._unsafe_masked_index_put_accumulate.default, (other, mask, [flat_ids], flat_rows))
 
 
+def _into(graph: fx.Graph, other: fx.Node, put: fx.Node) -> fx.Node:
+    """``put`` (an accumulating index-put into zeros) accumulating into ``other`` instead."""
+    target = put.target
+    assert callable(target)
+    into = graph.call_function(target, (other, *put.args[1:]), dict(put.kwargs))
+    into.meta["val"] = other.meta["val"]  # the same shape, dtype and layout (``_same_layout``)
+    return into
+
+
 def fold_sums_into_index_put(gm: fx.GraphModule) -> int:
     """Rewrite ``add(g, index_put_acc(zeros, ...))`` (either order) into ``index_put_acc(g, ...)`` in ``gm``;
     the number rewritten. Only where the index-put and its zeros have no other user, and ``g``, the
@@ -113,34 +122,21 @@ def fold_sums_into_index_put(gm: fx.GraphModule) -> int:
         if add.op != "call_function" or add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2:
             continue
         for put, other in ((add.args[1], add.args[0]), (add.args[0], add.args[1])):
-            if not (isinstance(put, fx.Node) and isinstance(other, fx.Node)):
+            if not (isinstance(put, fx.Node) and isinstance(other, fx.Node)) or len(put.users) != 1:
                 continue
-            if _dense_backward(put) and len(put.users) == 1 and _same_layout(other, add) and _same_layout(put, add):
-                with graph.inserting_before(add):
-                    into = _accumulated(graph, other, put)
-                into.meta = {**put.meta, "val": into.meta["val"]}
-                add.replace_all_uses_with(into)
-                graph.erase_node(add)
-                graph.erase_node(put)
-                folded += 1
-                break
-            if not _accumulates(put):
-                continue
-            zeros = put.args[0]
-            if len(put.users) != 1 or not _zeros(zeros):
+            dense = _dense_backward(put)
+            zeros = put.args[0] if _accumulates(put) else None
+            if not dense and not _zeros(zeros):
                 continue
             if not (_same_layout(other, add) and _same_layout(put, add)):
                 continue
-            target = put.target
-            assert callable(target)
             with graph.inserting_before(add):
-                into = graph.call_function(target, (other, *put.args[1:]), dict(put.kwargs))
-            into.meta = {**put.meta, "val": add.meta["val"]}
+                into = _accumulated(graph, other, put) if dense else _into(graph, other, put)
+            into.meta = {**put.meta, "val": into.meta["val"]}
             add.replace_all_uses_with(into)
-            graph.erase_node(add)
-            graph.erase_node(put)
-            assert isinstance(zeros, fx.Node)
-            graph.erase_node(zeros)
+            for dead in (add, put, zeros):
+                if isinstance(dead, fx.Node):
+                    graph.erase_node(dead)
             folded += 1
             break
     if folded:
