@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxremat
-from fxremat.passes.chunk_loss import chunked_cross_entropy, find_loss_sites
+from fxremat.passes.chunk_loss import chunk_losses, chunked_cross_entropy, find_loss_sites
 
 from checks import compare
 
@@ -245,6 +246,46 @@ def test_logits_read_by_the_loss_and_returned_through_a_copy_are_chunked(inner):
     loss.backward()
     compare(ref_model, ref, model, loss)
     assert fxremat.plans()[-1].chunked
+
+
+class SlicedHead(LM):
+    """HF's head: ``lm_head(hidden[:, slice(-keep, None), :])``, the logits returned too; ``keep=0`` is every token."""
+
+    def __init__(self, keep: int) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x, y):
+        h = self.body(x)
+        logits = self.head(h[:, slice(-self.keep, None), :])
+        return F.cross_entropy(logits.float().reshape(-1, V), y[:, -logits.shape[1] :].reshape(-1)), logits
+
+
+@pytest.mark.parametrize("keep", [0, T // 2])
+def test_a_sliced_head_input_leaves_the_graph_as_its_base_only_when_the_slice_is_whole(keep):
+    """The head's input is a graph output (its logits get their gradient path outside): a view there is
+    made again by AOTAutograd at every call, so a slice keeping every token is returned as its base."""
+    x, y = _data()
+    (gm,) = _dynamo_graph(SlicedHead(keep), x, y)
+    chunk_losses(gm, {})
+    extra = next(iter(gm.graph.find_nodes(op="output"))).args[0][-1]
+    if keep:
+        assert extra.target is operator.getitem  # the tokens kept: a view it has to return
+    else:
+        assert extra.op == "call_function" and extra.target is not operator.getitem  # the base: no view
+
+    ref_model = SlicedHead(keep)
+    model = copy.deepcopy(ref_model)
+    ref_loss, ref_logits = ref_model(x, y)
+    ref = ref_loss + ref_logits.square().mean()
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    loss, logits = torch.compile(model, backend="fxremat", options={"inner": "eager"})(x, y)
+    torch.testing.assert_close(logits, ref_logits)
+    total = loss + logits.square().mean()
+    total.backward()
+    compare(ref_model, ref, model, total)
 
 
 @pytest.mark.parametrize("through_logits", [False, True])

@@ -294,14 +294,31 @@ def chunk_losses(gm: fx.GraphModule, chunks: dict[fx.Node, int]) -> int:
             assert site.head is not None
             with gm.graph.inserting_after(site.head):
                 detached = gm.graph.call_method("detach", (site.head,))
-            with gm.graph.inserting_after(detached):
-                hidden = gm.graph.call_method("reshape", (site.hidden, -1, _shape(site.hidden)[-1]))
-            _leave_without_grad(gm, site, site.head, detached, hidden)
+            _leave_without_grad(gm, site, site.head, detached, _unsliced(site.hidden))
             changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _unsliced(node: fx.Node) -> fx.Node:
+    """``node`` or, where it is a slice that keeps every element (HF's ``hidden[:, slice(-0, None), :]``), the
+    tensor sliced: a graph output that is a view of another value is made again at every call (an
+    ``aten._unsafe_view`` in AOTAutograd's runtime wrapper, 20 us), its base is returned as it is."""
+    while node.op == "call_function" and node.target is operator.getitem:
+        source, index = node.args
+        if not isinstance(source, fx.Node):
+            break
+        index = index if isinstance(index, tuple) else (index,)
+        if not all(
+            isinstance(i, slice) and i.step in (None, 1) and i.start in (None, 0) and i.stop is None for i in index
+        ):
+            break
+        if _shape(source) != _shape(node):
+            break
+        node = source
+    return node
 
 
 def _detachable(gm: fx.GraphModule, site: LossSite) -> bool:
@@ -378,7 +395,7 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
             _move_readers_after(graph, logits)
         graph.erase_node(head)
     if detach:
-        _leave_without_grad(gm, site, logits, logits, hidden)
+        _leave_without_grad(gm, site, logits, logits, _unsliced(site.hidden))
 
 
 def _move_readers_after(graph: fx.Graph, node: fx.Node) -> None:
@@ -453,7 +470,7 @@ class _HeadGradient(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         g = grad.reshape(-1, weight.shape[0]).to(weight.dtype)
         grad_hidden = (g @ weight).view(hidden.shape) if ctx.needs_input_grad[1] else None
-        grad_weight = g.t() @ hidden if ctx.needs_input_grad[2] else None
+        grad_weight = g.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[2] else None
         grad_bias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return None, grad_hidden, grad_weight, grad_bias
 
