@@ -171,3 +171,31 @@ def test_shares_are_contiguous_and_balanced():
     assert inductor_memory._shares([367, 800, 367, 800], 2) == [[0, 1], [2, 3]]
     assert inductor_memory._shares([10, 1, 1, 1], 3) == [[0], [1], [2, 3]]
     assert inductor_memory._shares([1] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_under_a_budget_the_fastest_plan_for_the_report_is_lowered_beside_the_step_with_grads(
+    monkeypatch, forking, lowered_here
+):
+    """The report's fastest-plan peak and the peak with ``.grad`` allocated both need dry lowerings once the
+    plan is chosen: the fastest plan's programs go to a child while this process lowers the other. Same
+    plan and peaks as lowering both here."""
+    from fxremat import planner
+
+    budget = int(lowered_here.predicted_peak * 0.8)
+    inductor_memory.forget_programs()
+    monkeypatch.setenv(forked.ENV_WORKERS, "1")
+    here = _explain(budget=budget)
+    monkeypatch.setenv(forked.ENV_WORKERS, "2")
+    inductor_memory.forget_programs()
+    pending: list[int] = []  # programs being lowered in children while the step with .grad is judged
+    real = planner.accumulating_peaks
+
+    def counted(*args, **kwargs):
+        pending.append(len(inductor_memory._PENDING))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "accumulating_peaks", counted)
+    there = _explain(budget=budget)
+    assert pending == [2], pending  # the fastest plan's forward and backward
+    _same(there, here)
+    assert here.fastest_peak > budget >= here.predicted_peak
