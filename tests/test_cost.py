@@ -44,6 +44,32 @@ def test_sdpa_flops_match_the_attention_formula():
     assert attn[0].flops == 4 * 2 * 4 * 64 * 64 * 32
 
 
+def test_grouped_matmuls_count_every_product_and_the_fallback_one_launch_per_expert():
+    """transformers' expert matmul (one ``mm`` per expert in a Python loop) and its backward: FLOPs of the
+    products, not one per element read (HF Mixtral's experts were priced 20x too cheap and recomputed)."""
+    pytest.importorskip("transformers.integrations.moe")
+    S, K, N, E = 48, 32, 64, 4
+    x, w = torch.randn(S, K), torch.randn(E, K, N)
+    offs = torch.tensor([10, 20, 40, 48])
+    hw = get_hardware("a100")
+
+    def forward(x, w, offs):
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+    gm, costs, _ = _joint_costs(forward, x, w, offs)
+    (mm,) = [c for c in costs.values() if c.op == "transformers.grouped_mm_fallback"]
+    assert mm.flops == 2 * S * K * N
+    assert mm.seconds >= E * hw.launch_seconds
+
+    def backward(x, w, offs, g):
+        return torch.ops.transformers.grouped_mm_fallback_backward(x, w, offs, g)
+
+    _, costs, _ = _joint_costs(backward, x, w, offs, torch.randn(S, N))
+    (bw,) = [c for c in costs.values() if c.op == "transformers.grouped_mm_fallback_backward"]
+    assert bw.flops == 4 * S * K * N
+    assert bw.seconds >= 2 * E * hw.launch_seconds
+
+
 def test_views_and_inplace_own_no_storage():
     def fn(x):
         y = x * 2
