@@ -109,7 +109,8 @@ class Options:
     are returned as before; so are the smallest gradients, at most 1% of the bytes (biases, norm
     weights), and with no budget all of them where handing them over would lower the step's peak
     by less than 2%, or where their calls (about 9 us each) do not fit in ``time_slack`` of the
-    estimated step (each hand-over costs a call and splits the fused kernels around it).
+    estimated step (under Inductor its compute alone, without per-op launches; each hand-over costs
+    a call and splits the fused kernels around it).
     False: always return them at the end."""
     grads_allocated: bool | None = None
     """Whether the parameters' ``.grad`` exist when the backward runs (gradient accumulation,
