@@ -19,7 +19,8 @@ allocator's state do not leak from one row into the next):
   the fastest plan (the old no-budget default);
 - ``alternating``: step time only. Plain ``torch.compile`` and fxremat with no budget, each on its own
   copy of the model, in one process: after ``ALT_WARMUP`` untimed steps each, ``--rounds`` rounds time
-  a few steps of each in turn (enough steps for ``ALT_ROUND_S`` seconds). Rows in separate processes
+  a few steps of each in turn (enough steps for ``ALT_ROUND_S`` seconds), which one goes first
+  alternating between rounds. Rows in separate processes
   run minutes apart on a shared host, and a tiny model's step varies by more than the 2% target
   between processes; the ratio of the medians over interleaved rounds does not carry that drift.
 
@@ -253,8 +254,10 @@ def run_alternating(model: str, rounds: int) -> dict:
         each.append(time.perf_counter() - start)
     per_round = max(1, math.ceil(ALT_ROUND_S / max(each)))
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
+    order = list(steps.items())
+    for r in range(rounds):
+        # ABBA: each compile runs first in half the rounds, so neither carries what running second costs.
+        for key, step in order if r % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             for _ in range(per_round):
                 step()
@@ -579,7 +582,8 @@ above the pre-step baseline. Step time: the median of the timed steps, on a
 shared 2-core machine with 1 intra-op thread per row, so a few percent either
 way can be noise. A fifth row per model times plain `torch.compile` and
 fxremat (no budget) alternating in one process (30 rounds, each compile's
-steps for 0.2 s per round); the verdict's step time is that row's ratio of
+steps for 0.2 s per round, which one goes first alternating between rounds);
+the verdict's step time is that row's ratio of
 medians, since separate processes minutes apart differ by more than the 2%
 target on this host. "predicted" is the largest predicted peak over the
 no-budget row's plans.
