@@ -3,7 +3,8 @@
 Bytes are counted per storage: a view or alias owns nothing and points at the
 node whose storage it lives in. FLOPs come from ``torch.utils.flop_counter``'s
 formulas where it has one, from this module's for grouped matmuls (experts of a
-mixture of experts), else one per element read (pointwise and reduction ops). Time is a roofline ``max(flops / peak_flops, bytes_moved / bandwidth)``
+mixture of experts), else one per element read (pointwise and reduction ops).
+Time is a roofline ``max(flops / peak_flops, bytes_moved / bandwidth)``
 plus a launch overhead for a named hardware profile (and, on CPU, the page
 faults of large fresh outputs); ``passes/calibrate.py`` can replace it by
 times measured on the device. Under dynamic shapes bytes and FLOPs are also
@@ -121,17 +122,18 @@ def _flops(node: fx.Node, out_val):
 # no-budget plan recomputed them within the 2% time slack and measured 1.12x plain torch.compile's step.
 # ``transformers.grouped_mm_fallback(input (S, K), weight (E, K, N), offs (E,))`` runs one ``mm`` per
 # expert; its backward two. torch's ``_grouped_mm``: (S, K) x (E, K, N), or (E, M, K) x (E, K, N).
+# Op -> (products, whether it loops over the groups in Python, one launch each).
 _GROUPED_MM = {
-    "transformers.grouped_mm_fallback": 1,
-    "transformers.grouped_mm_fallback_backward": 2,
-    "aten._grouped_mm": 1,
+    "transformers.grouped_mm_fallback": (1, True),
+    "transformers.grouped_mm_fallback_backward": (2, True),
+    "aten._grouped_mm": (1, False),
 }
 
 
 def _grouped_mm_flops(op: str, args_vals):
     """2 * rows * K * N per product of a grouped matmul ``op`` (``_GROUPED_MM``), or None for other ops."""
-    products = _GROUPED_MM.get(op)
-    if products is None or len(args_vals) < 2:
+    products, _ = _GROUPED_MM.get(op, (0, False))
+    if not products or len(args_vals) < 2:
         return None
     a, b = args_vals[0], args_vals[1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or b.dim() != 3 or a.dim() not in (2, 3):
@@ -140,11 +142,12 @@ def _grouped_mm_flops(op: str, args_vals):
     return products * 2 * rows * b.shape[-2] * b.shape[-1]
 
 
-def grouped_mm_calls(node: fx.Node) -> int:
-    """Kernel launches of a grouped matmul that loops over its groups in Python (transformers' fallback:
-    one ``mm`` per expert, two in its backward); 1 for every other op."""
-    products = _GROUPED_MM.get(qualified_op_name(node), 0)
-    if not products or not qualified_op_name(node).startswith("transformers."):
+def _launches(node: fx.Node, op: str) -> int:
+    """Kernel launches of ``node`` (its op's qualified name ``op``): a grouped matmul that loops over its
+    groups in Python (transformers' fallback) launches one ``mm`` per expert, two in its backward; 1 for
+    every other op."""
+    products, loops = _GROUPED_MM.get(op, (0, False))
+    if not loops:
         return 1
     weight = node.args[1].meta.get("val") if len(node.args) > 1 and isinstance(node.args[1], fx.Node) else None
     return products * size_hint(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 3 else 1
@@ -217,7 +220,7 @@ def annotate(gm: fx.GraphModule, hardware: Hardware | None) -> dict[fx.Node, Nod
             fresh = sum(b for b in (nbytes_hint(t) for t in tensors) if b >= FRESH_OUTPUT_BYTES)
             seconds = (
                 max(flops / rate, moved / hardware.bandwidth)
-                + hardware.launch_seconds * grouped_mm_calls(node)
+                + hardware.launch_seconds * _launches(node, op)
                 + fresh / hardware.fresh_bandwidth
             )
         sym = {}
