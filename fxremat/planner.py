@@ -37,7 +37,7 @@ from .plan import Plan
 from .passes.apply import apply_decision
 from .passes.calibrate import calibrate_costs
 from .hardware import get_hardware
-from .passes.cost import NodeCost, annotate
+from .passes.cost import NodeCost, annotate, compute_seconds
 from .passes.fusion import fused_nodes
 from .passes.hand_over import HAND_OVER_SPEC, gradients_to_hand_over, hand_over_gradients
 from .passes.forked import workers as forked_workers
@@ -327,12 +327,7 @@ def _step_seconds(analysis: Analysis, options: Options) -> float:
     gradients over cost 1.28x plain ``torch.compile``'s step). Eager runs every op: all of it."""
     if not analysis.fusion:
         return sum(analysis.graph.problem.seconds)
-    hw = get_hardware(options.hardware)
-    return sum(
-        max(c.flops / hw.peak_flops, c.bytes_moved / hw.bandwidth)
-        for node, c in analysis.costs.items()
-        if node.op == "call_function" and c.seconds > 0
-    )
+    return compute_seconds(analysis.costs, get_hardware(options.hardware))
 
 
 def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int, recomputes_rng: bool) -> Analysis:

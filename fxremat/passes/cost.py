@@ -26,7 +26,7 @@ from .._torch_compat import is_op_overload, is_sym_node
 from ..hardware import FRESH_OUTPUT_BYTES, Hardware
 from .opinfo import alias_source, nbytes_hint, packet_name, qualified_op_name, size_hint, tensors_of
 
-__all__ = ["NodeCost", "annotate", "module_path"]
+__all__ = ["NodeCost", "annotate", "compute_seconds", "module_path"]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,16 @@ def annotate(gm: fx.GraphModule, hardware: Hardware | None) -> dict[fx.Node, Nod
             sym = {"sym_nbytes": _expr(raw_nbytes), "sym_flops": _expr(raw_flops), "sym_bytes_moved": _expr(raw_moved)}
         costs[node] = NodeCost(nbytes, node, flops, moved, seconds, module_path(node), op, **sym)
     return costs
+
+
+def compute_seconds(costs: dict[fx.Node, NodeCost], hardware: Hardware) -> float:
+    """The roofline time of the ops in ``costs`` without their launch overheads: FLOPs and bytes moved
+    at ``hardware``'s rates, what a program that fuses the ops into few kernels still has to do."""
+    return sum(
+        max(c.flops / hardware.peak_flops, c.bytes_moved / hardware.bandwidth)
+        for node, c in costs.items()
+        if node.op == "call_function"
+    )
 
 
 def _is_attention(node: fx.Node) -> bool:
