@@ -8,13 +8,15 @@ it is made and frees it; on timm's resnet18 (batch 2, 64 px) that is 21.4 MiB
 against the compiled step's 45.0 MiB, 42.7 MiB of which are the gradients.
 
 So each compiled backward has a second version (``passes/hand_over.py``) that
-passes every parameter's gradient, right after its last use, to the
-``fxremat::hand_over`` op, which adds it into that parameter's ``.grad``; the
-gradient is then freed, and the backward returns None for it (autograd's
-AccumulateGrad has nothing left to do). Each backward runs that version only
+takes those parameters' ``.grad`` as extra inputs and adds every gradient into
+its ``.grad`` in place right after its last use, in the program itself (Inductor
+fuses the add into a kernel); the gradient is then freed, and the backward
+returns None for it (autograd's AccumulateGrad has nothing left to do). Each
+backward runs that version only
 when it does exactly what autograd would have done: every such parameter is a
 leaf whose AccumulateGrad this backward runs, with ``.grad`` allocated (same
-shape, dtype and device), no Python hooks on it, the backward does not keep its
+shape, dtype and device, and the strides the version was compiled for), no
+Python hooks on it, the backward does not keep its
 graph (``retain_graph``, ``create_graph``), and ``torch.distributed`` is not
 initialised (DDP and other libraries hook AccumulateGrad nodes in ways Python
 cannot see). Otherwise the usual version runs: ``torch.autograd.grad``,
@@ -24,15 +26,15 @@ the gradients at the end as before.
 
 The second version is compiled the first time a backward can use it (Inductor:
 one more compile of the backward, in the second step of a loop that keeps
-``.grad``). ``Options.hand_over_grads=False`` never builds it.
+``.grad``), for the strides its ``.grad`` tensors have then. ``Options.hand_over_grads=False`` never builds it.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import threading
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -45,19 +47,13 @@ from ._torch_compat import (
     engine_runs_node,
     has_grad_hooks,
 )
-from .passes.hand_over import HAND_OVER_SPEC, hand_over_gradients
+from .passes.hand_over import HAND_OVER_SPEC, grad_inputs, hand_over_gradients
 
-__all__ = ["HAND_OVER_OP", "HandingOver", "handing_over", "on_hand_over"]
+__all__ = ["HandingOver", "handing_over", "on_hand_over"]
 
 log = logging.getLogger("fxremat")
 
-_LIBRARY = torch.library.Library("fxremat", "DEF")
-_LIBRARY.define("hand_over(Tensor gradient, int index, int inputs) -> Tensor")
-
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-
-_LOCAL = threading.local()
-
 
 _LISTENERS: list[Callable[[object, bool], None]] = []
 
@@ -78,42 +74,18 @@ def _tell(handed: bool) -> None:
             listener(node, handed)
 
 
-def _running() -> list[dict[int, torch.Tensor]]:
-    """The ``.grad`` tensors of the backwards running on this thread, innermost last."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    return stack
-
-
-def _hand_over(gradient: torch.Tensor, index: int, inputs: int) -> torch.Tensor:
-    running = _running()
-    grads = running[-1] if running else None
-    if grads is None or index not in grads:
-        raise RuntimeError(
-            "fxremat: a parameter gradient reached fxremat::hand_over outside the backward that checked its "
-            "parameter (a backward run by compiled autograd?); it cannot be delivered. Compile with "
-            "options={'hand_over_grads': False} to return every gradient at the end of the backward."
-        )
-    # No ``torch.no_grad()`` (2 us of the 9 us a hand-over costs): ``existing_grads`` hands over only in a
-    # backward that does not keep its graph, so not ``create_graph``, and the engine runs it without grad.
-    grads[index].add_(gradient)
-    return gradient.new_empty(0)
-
-
-_LIBRARY.impl("hand_over", _hand_over, "CompositeExplicitAutograd")
-_LIBRARY.impl("hand_over", lambda gradient, index, inputs: gradient.new_empty(0), "Meta")
-
-HAND_OVER_OP = torch.ops.fxremat.hand_over.default
-"""``hand_over(gradient, index, inputs)``: add ``gradient`` into the ``.grad`` of the graph's input
-``index`` (of ``inputs``) and return an empty tensor (``passes/hand_over.py`` places it)."""
-
-
-def existing_grads(indices: tuple[int, ...], edges: tuple[int, ...]) -> dict[int, torch.Tensor] | None:
+def existing_grads(
+    indices: tuple[int, ...], edges: tuple[int, ...], checked: dict[int, tuple] | None = None
+) -> dict[int, torch.Tensor] | None:
     """The ``.grad`` of each parameter at ``indices``, when the running backward may add into all of them
     what autograd's AccumulateGrad would; else None (the gradients go back to autograd).
 
     ``edges[i]`` is input ``i``'s position among the autograd node's edges (-1: a size, which has none).
+    ``checked``: the caller's memory of earlier calls (updated here), by weak reference. A ``.grad``
+    tensor checked before is not checked again for its layout and shape (changed in place only by
+    ``resize_``/``set_``; ``HandingOver`` compares its strides at every call, and Inductor's program
+    asserts sizes and strides); whether the engine runs the parameter's AccumulateGrad, its hooks,
+    which tensor is ``.grad``, its dtype and device are checked at every call.
     """
     node = current_autograd_node()
     if node is None or backward_keeps_graph():
@@ -123,19 +95,33 @@ def existing_grads(indices: tuple[int, ...], edges: tuple[int, ...]) -> dict[int
     next_functions = node.next_functions
     if len(next_functions) != sum(1 for e in edges if e >= 0):
         return None  # not the node of the graph these positions were planned for
+    memo = {} if checked is None else checked
     grads = {}
     for i in indices:
         if edges[i] < 0:
             return None
         acc = next_functions[edges[i]][0]
-        if acc is None or acc.name() != _ACCUMULATE_GRAD or not engine_runs_node(acc):
+        if acc is None:
             return None
-        param = acc.variable
+        param = getattr(acc, "variable", None)  # only an AccumulateGrad has one
+        if param is None:
+            return None
+        known = memo.get(i)
+        if known is None or known[0]() is not param:
+            if acc.name() != _ACCUMULATE_GRAD:
+                return None
+            known = None
+        if not engine_runs_node(acc):
+            return None
         grad = param.grad
-        if grad is None or has_grad_hooks(param) or grad.layout != torch.strided:
+        if grad is None or has_grad_hooks(param):
             return None
-        if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
-            return None
+        if known is None or known[1]() is not grad or grad.dtype != known[2] or grad.device != known[3]:
+            if grad.layout != torch.strided:
+                return None
+            if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+                return None
+            memo[i] = (weakref.ref(param), weakref.ref(grad), grad.dtype, grad.device)
         grads[i] = grad
     return grads
 
@@ -145,7 +131,11 @@ class HandingOver:
     as it makes them, run when ``existing_grads`` allows (boxed convention: ``backward(args)``)."""
 
     def __init__(
-        self, returning: Callable, build: Callable[[], Callable], indices: tuple[int, ...], edges: tuple[int, ...]
+        self,
+        returning: Callable,
+        build: Callable[[list[torch.Tensor]], Callable],
+        indices: tuple[int, ...],
+        edges: tuple[int, ...],
     ):
         # An instance attribute: the wrappers AOTAutograd puts around a backward copy the instance's __dict__.
         self._boxed_call = True
@@ -155,17 +145,22 @@ class HandingOver:
         self.edges = edges
         """Each graph input's position among the autograd node's edges (-1: a size)."""
         self.accumulating: Callable | None = None
+        self.checked: dict[int, tuple] = {}
+        """``existing_grads``' memory of the parameters and ``.grad`` it checked."""
+        self.strides: tuple[tuple[int, ...], ...] = ()
+        """The ``.grad`` strides ``accumulating`` was compiled for (Inductor specialises on them)."""
         self.failed = False
 
     def __call__(self, args):
-        grads = None if self.failed else existing_grads(self.indices, self.edges)
+        grads = None if self.failed else existing_grads(self.indices, self.edges, self.checked)
         if grads is None:
             _tell(False)
             return self.returning(args)
+        given = [grads[i] for i in self.indices]
         program = self.accumulating
         if program is None:
             try:
-                program = self.accumulating = self.build()
+                program = self.accumulating = self.build(given)
             except Exception as e:  # noqa: BLE001 - the usual backward is still right: run it, loudly
                 self.failed = True
                 warnings.warn(
@@ -175,14 +170,13 @@ class HandingOver:
                 )
                 _tell(False)
                 return self.returning(args)
-        running = _running()
-        running.append(grads)
-        try:
-            out = list(program(args))
-        finally:
-            running.pop()
-        for i in self.indices:
-            out[i] = None
+            self.strides = tuple(g.stride() for g in given)
+        elif any(g.stride() != s for g, s in zip(given, self.strides)):
+            # ``.grad`` laid out anew since (set by the user at other strides): autograd adds them in.
+            _tell(False)
+            return self.returning(args)
+        args.extend(given)  # boxed: the program frees the saved values as it goes, as the usual one does
+        out = program(args)
         _tell(True)
         return out
 
@@ -201,16 +195,21 @@ def handing_over(compile_program: Callable) -> Callable:
         if spec is None:
             return compile_program(gm, example_inputs, **kwargs)
         variant = copy.deepcopy(gm)
-        indices = hand_over_gradients(variant, list(spec[0]), spec[1], HAND_OVER_OP)
+        indices = hand_over_gradients(variant, list(spec[0]))
         if not indices:
             return compile_program(gm, example_inputs, **kwargs)
         inputs = list(example_inputs)
         again = compile_context_now()
 
-        def build() -> Callable:
+        def build(grads: list[torch.Tensor]) -> Callable:
             log.info("fxremat: compiling the backward that adds %d gradients into .grad as it makes them", len(indices))
+            # Each ``.grad`` input as the program will get it: Inductor compiles for its strides.
+            given = []
+            for node, grad in zip(grad_inputs(variant), grads):
+                node.meta["val"] = node.meta["val"].new_empty_strided(grad.shape, grad.stride())
+                given.append(node.meta["val"])
             with again():
-                return compile_program(variant, inputs, **kwargs)
+                return compile_program(variant, inputs + given, **kwargs)
 
         compiled = compile_program(gm, example_inputs, **kwargs)
         if not getattr(compiled, "_boxed_call", False):

@@ -52,7 +52,6 @@ from .passes.simulate import Simulation, simulate
 from .passes.twice import recompute_twice
 from . import plan_cache, ranks
 from .compile_scope import Vetoed, remembered, veto, vetoes_active
-from .grads import HAND_OVER_OP
 from .recorder import new_graph_name, record
 from .report import build_plan
 from .solvers.registry import solve, solve_within
@@ -97,9 +96,12 @@ INDUCTOR_ALLOWANCE = 0.04
 # With no budget, a candidate plan is lowered and judged only when the solver's model puts
 # it at least this share, and this many bytes, below the fastest plan's peak.
 NO_BUDGET_MIN_GAIN = 0.02
-# What handing one gradient over costs the backward: a call into Python (``grads.py``), about 9 us on
-# this host class (tiny HF GPT-2), before the kernels Inductor cannot fuse across it.
-HAND_OVER_SECONDS = 9e-6
+# What adding one gradient into ``.grad`` in the backward costs a step: checking its parameter at each
+# call (``grads.existing_grads``, about 2 us measured on the zoo's tiny ViT: 60 us for 27) and its share of
+# the kernels the adds bring (the ViT's backward: 25 kernels with them, 15 without). The zoo's tiny
+# ViT, alternating in one process, stepped 0.99x and 1.04x its step without them in two runs of 80
+# rounds; the custom op this replaced cost about 9 us a gradient, 1.22x.
+HAND_OVER_SECONDS = 3e-6
 # Nested checkpoints are taken when they lower the least plan's peak by at least this share: each
 # value recomputed twice costs its recompute time again, and code in the backward. HF GPT-2 compiled
 # whole (4 layers, hidden 256, Inductor): 156 values recomputed twice measured 38.1 MiB against 39.0
@@ -291,12 +293,9 @@ def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options
 
     Under a budget it always is (the budget may need the memory). With no budget, only when
     it lowers the step's peak with ``.grad`` allocated by ``NO_BUDGET_MIN_GAIN`` at least
-    (the caller's outputs alive or dropped), and when its calls into Python
-    (``HAND_OVER_SECONDS`` each) fit in the no-budget default's time slack: they split
-    Inductor's kernels too, a cost the solver's estimate does not count. The zoo's tiny HF
-    Llama gains nothing with its logits dropped (1,032,732 bytes either way) and stepped
-    1.29x plain ``torch.compile``'s with them handed over, a median of 1.16x without; the
-    tiny ViT gains memory but stepped 1.18x plain's with them, 1.02x without.
+    (the caller's outputs alive or dropped), and when its cost (``HAND_OVER_SECONDS`` a
+    gradient: the checks at each call, the kernels the adds bring) fits in the no-budget
+    default's time slack, a cost the solver's estimate does not count.
     """
     if options.budget is not None or options.grads_allocated is True or choice.accumulating is None:
         return None
@@ -312,8 +311,8 @@ def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options
     cost = calls * HAND_OVER_SECONDS
     if cost > options.time_slack * step:
         return (
-            f"gradients returned at the backward's end: adding them into .grad as made takes "
-            f"{calls} calls into Python (~{cost * 1e3:.2g} ms), more than the time slack "
+            f"gradients returned at the backward's end: adding them into .grad as made costs "
+            f"~{cost * 1e3:.2g} ms ({calls} gradients), more than the time slack "
             f"({options.time_slack:.0%} of the step's estimated {step * 1e3:.3g} ms of compute)"
         )
     return None
@@ -547,7 +546,7 @@ def _handed_backward(analysis: Analysis, backward: fx.GraphModule, options: Opti
     # which fails for fake ones (HF GPT-2's attention mask: "set the storage of a tensor on device meta").
     handed = fx.GraphModule(backward, copy.deepcopy(backward.graph))
     handed.meta.update(backward.meta)
-    return handed if hand_over_gradients(handed, list(spec[0]), spec[1], HAND_OVER_OP) else None
+    return handed if hand_over_gradients(handed, list(spec[0])) else None
 
 
 def _judged_backward(analysis: Analysis, backward: fx.GraphModule, options: Options) -> fx.GraphModule:

@@ -1062,8 +1062,11 @@ def test_a_graph_planned_again_after_its_first_step_is_compiled_through_the_fx_g
             assert len(fxremat.plans()) == 2, [p.summary() for p in fxremat.plans()]
             lookups.append(dict(counters["inductor"]))
     first, again = lookups
-    assert "fxgraph_cache_bypass" not in first and "fxgraph_cache_hit" not in first, lookups
-    assert again.get("fxgraph_cache_hit") == first.get("fxgraph_cache_miss") >= 3, lookups  # re-plan included
+    # The first time, a program the run compiles again (equal to one it compiled before) is found where
+    # the run itself stored it.
+    assert "fxgraph_cache_bypass" not in first and first.get("fxgraph_cache_miss", 0) >= 3, lookups
+    programs = first["fxgraph_cache_miss"] + first.get("fxgraph_cache_hit", 0)
+    assert again.get("fxgraph_cache_hit") == programs, lookups  # re-plan included
     assert "fxgraph_cache_miss" not in again and "fxgraph_cache_bypass" not in again, lookups
 
 

@@ -1,18 +1,22 @@
-"""Parameter gradients handed over as the backward makes them: the backward's rewrite.
+"""Parameter gradients added into ``.grad`` as the backward makes them: the backward's rewrite.
 
 A compiled backward returns every parameter's gradient at its end, and autograd
 adds each into ``.grad`` only then, so all of them are alive at once at the end
-of the backward. ``hand_over_gradients`` rewrites a planned backward so that
-each parameter's gradient is passed to a hand-over op right after its last use
-in the program, and the program returns the op's empty marker in its place;
-``fxremat/grads.py`` defines the op (what it does with the gradient at run
-time) and the wrapper that gives autograd the gradients it kept.
+of the backward. ``hand_over_gradients`` rewrites a planned backward so that it
+takes each such parameter's ``.grad`` as one more input and adds the gradient
+into it in place (``aten.add_``) right after the gradient's last use in the
+program; the program returns None in the gradient's place. The add is an op of
+the program like any other: Inductor fuses it into a kernel, and no call into
+Python is made for it. ``fxremat/grads.py`` runs that version when a backward's
+``.grad`` tensors exist, passing them after the backward's usual inputs in the
+order of the indices handed over.
 
-Each hand-over node carries, in ``node.meta[HAND_OVER]``, the index of the
-backward output it stands for; ``handed_over`` finds them, so the memory
-models (``passes/simulate.py``, ``passes/inductor_memory.py``) can price the
-gradients both ways: handed over (freed once added into an existing ``.grad``)
-or kept until the end (``.grad`` did not exist, or autograd must see them).
+Each ``.grad`` input carries, in ``node.meta[GRAD_INPUT]``, the index of the
+backward output it stands for, and each add, in ``node.meta[HAND_OVER]``, the
+same index; ``handed_over`` finds the adds. The memory models
+(``passes/simulate.py``, ``passes/inductor_memory.py``) count the ``.grad``
+inputs as the caller's memory, so a gradient handed over is freed after its
+add, where one returned is alive to the backward's end.
 """
 
 from __future__ import annotations
@@ -23,42 +27,46 @@ import torch.fx as fx
 from .invariants import storage_of
 
 __all__ = [
+    "GRAD_INPUT",
     "HAND_OVER",
     "HAND_OVER_SPEC",
     "SMALL_GRADIENTS_SHARE",
+    "grad_inputs",
     "gradients_to_hand_over",
     "hand_over_gradients",
     "handed_over",
 ]
 
 # The smallest gradients, together at most this share of the bytes of the gradients that could be
-# handed over, are returned at the end instead. Each hand-over is a call into Python (about 9 us)
-# and Inductor fuses no kernel across it: on a tiny HF GPT-2 (2 layers, hidden 64) handing over all
-# 28 gradients made the backward 21 kernels instead of 12 and the step 1.35x plain torch.compile's.
-# Its 17 biases and norm weights are 0.9% of the gradients' bytes.
+# handed over, are returned at the end instead: their adds would split Inductor's fused kernels
+# for memory that does not matter. On a tiny HF GPT-2 (2 layers, hidden 64), its 17 biases and
+# norm weights are 0.9% of the gradients' bytes.
 SMALL_GRADIENTS_SHARE = 0.01
 
 HAND_OVER = "fxremat_hand_over"
-"""``node.meta`` key of a hand-over node: the backward output index it hands over."""
+"""``node.meta`` key of an add into ``.grad``: the backward output index it hands over."""
+GRAD_INPUT = "fxremat_grad_input"
+"""``node.meta`` key of a ``.grad`` input of a handing backward: the backward output index it receives."""
 HAND_OVER_SPEC = "fxremat_hand_over_spec"
-"""``GraphModule.meta`` key of a planned backward: ``(parameter output indices, graph inputs)``, what
-``hand_over_gradients`` needs to build the program that hands their gradients over."""
+"""``GraphModule.meta`` key of a planned backward: ``(parameter output indices, graph inputs, input
+edges)``, what ``fxremat/grads.py`` needs to build and run the program that hands their gradients over."""
 
 
-def hand_over_gradients(bw: fx.GraphModule, indices: list[int], inputs: int, op) -> tuple[int, ...]:
-    """Pass the gradients the backward returns at ``indices`` to ``op`` as soon as they are made.
+def hand_over_gradients(bw: fx.GraphModule, indices: list[int]) -> tuple[int, ...]:
+    """Add the gradients the backward returns at ``indices`` into ``.grad`` inputs as soon as they are made.
 
     A gradient is handed over only when its memory is its own: not a backward
-    input's (a tangent passed through), and shared with no other output, since
-    the op may make it the parameter's ``.grad``. The smallest of those, together
-    at most ``SMALL_GRADIENTS_SHARE`` of their bytes (biases, norm weights), stay
-    returned: handing them over costs more time than the memory is worth.
+    input's (a tangent passed through), and shared with no other output. The
+    smallest of those, together at most ``SMALL_GRADIENTS_SHARE`` of their bytes
+    (biases, norm weights), stay returned. For each gradient handed over, the
+    program gains an input (after its others, in the order of the returned
+    indices) standing for that parameter's ``.grad``, laid out contiguously like
+    the gradient (``fxremat/grads.py`` lays it out as the real ``.grad`` before
+    compiling), and returns None in the gradient's place.
 
     Args:
         bw: the planned backward program (rewritten in place).
         indices: positions of the backward's outputs that are parameters' gradients.
-        inputs: how many inputs the graph has (the backward returns one gradient per input).
-        op: the hand-over op, called as ``op(gradient, index, inputs)``; returns an empty tensor.
 
     Returns:
         The indices handed over, in order.
@@ -67,18 +75,23 @@ def hand_over_gradients(bw: fx.GraphModule, indices: list[int], inputs: int, op)
     outs = list(out.args[0])
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     own = gradients_to_hand_over(bw, indices)
+    at = list(bw.graph.find_nodes(op="placeholder"))[-1]
     handed = []
     for k in indices:
         if k not in own:
             continue
         g = outs[k]
         val = g.meta["val"]
+        with bw.graph.inserting_after(at):
+            grad = at = bw.graph.placeholder(f"grad_{k}")
+        grad.meta["val"] = val.new_empty(val.shape)
+        grad.meta[GRAD_INPUT] = k
         last = max((u for u in g.users if u is not out), key=order.__getitem__, default=g)
         with bw.graph.inserting_after(last):
-            marker = bw.graph.call_function(op, (g, k, inputs))
-        marker.meta["val"] = val.new_empty(0)
-        marker.meta[HAND_OVER] = k
-        outs[k] = marker
+            add = bw.graph.call_function(torch.ops.aten.add_.Tensor, (grad, g))
+        add.meta["val"] = grad.meta["val"]
+        add.meta[HAND_OVER] = k
+        outs[k] = None
         handed.append(k)
     if handed:
         out.args = (type(out.args[0])(outs),)
@@ -117,5 +130,10 @@ def gradients_to_hand_over(bw: fx.GraphModule, indices: list[int]) -> dict[int, 
 
 
 def handed_over(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """Each hand-over node of ``gm`` and the gradient it hands over, in program order."""
-    return {n: n.args[0] for n in gm.graph.nodes if HAND_OVER in n.meta}
+    """Each add into ``.grad`` of ``gm`` and the gradient it adds, in program order."""
+    return {n: n.args[1] for n in gm.graph.nodes if HAND_OVER in n.meta}
+
+
+def grad_inputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``.grad`` inputs of a handing backward, in the order its caller passes them."""
+    return [p for p in gm.graph.find_nodes(op="placeholder") if GRAD_INPUT in p.meta]

@@ -49,6 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._torch_compat import FakeTensor, compiler_config_digest, inductor_program_events
 from .forked import Child, fork_call, workers
+from .hand_over import GRAD_INPUT
 from .invariants import outputs_of, storage_of
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
@@ -298,7 +299,7 @@ def _backward_inputs(bw: fx.GraphModule, by_name: dict, caller: set, pinned: dic
     for ph in bw.graph.find_nodes(op="placeholder"):
         saved = not is_tangent(ph) and ph.name in by_name
         s = _storage(by_name[ph.name] if saved else ph)
-        if s is None:
+        if s is None or GRAD_INPUT in ph.meta:  # a parameter's ``.grad``: the caller's memory
             inputs[ph.name] = (("input", ph.name), 0, False)
             continue
         key, nbytes = s
