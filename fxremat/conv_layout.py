@@ -12,9 +12,12 @@ training step, measured on CPU with fxremat's planned programs:
   worth more memory at the backward's end.
 
 So it pays where the convolutions' activations outweigh their weights.
-Grouped convolutions (depthwise) gain nothing from it (Inductor's own
-measurements have them slower channels-last), so their activations are not
-counted; their weights are, since they are copied all the same. Measured (fxremat,
+Grouped convolutions' (depthwise) activations are not counted (Inductor's own
+measurements, on GPU, have them slower channels-last); their weights are, since
+they are copied all the same. On this CPU depthwise convolutions do gain from
+it, yet counting them separates the measured models no better (docs/CONCEPTS.md:
+EfficientNet-B0 at 0.57 gains, ConvNeXt at 0.40 and 1.51 does not): the rule
+misses where the two costs need a time model. Measured (fxremat,
 no budget, steps alternating with plain ``torch.compile``'s, which has it on, in
 one process; activation bytes: the input and output of every ungrouped
 convolution; weights once):
