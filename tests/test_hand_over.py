@@ -244,17 +244,25 @@ def test_inductor_adds_gradients_into_grad_and_matches_eager():
     assert measured.peak_bytes - plan.saved_bytes < 2 * WIDTH * WIDTH * 4
 
 
+def _tangent(g: fx.Graph) -> fx.Node:
+    tangent = g.placeholder("tangents_1")
+    tangent.meta["val"] = torch.empty(4)
+    return tangent
+
+
+def _call(g: fx.Graph, target, args: tuple, val: torch.Tensor) -> fx.Node:
+    node = g.call_function(target, args)
+    node.meta["val"] = val
+    return node
+
+
 def test_a_gradient_passed_through_from_a_tangent_or_shared_is_not_handed_over():
     def bw_graph():
         g = fx.Graph()
-        tangent = g.placeholder("tangents_1")
-        tangent.meta["val"] = torch.empty(4)
-        doubled = g.call_function(torch.ops.aten.mul.Tensor, (tangent, 2))
-        doubled.meta["val"] = torch.empty(4)
-        view = g.call_function(torch.ops.aten.view.default, (doubled, [2, 2]))
-        view.meta["val"] = doubled.meta["val"].view(2, 2)
-        own = g.call_function(torch.ops.aten.mul.Tensor, (tangent, 3))
-        own.meta["val"] = torch.empty(4)
+        tangent = _tangent(g)
+        doubled = _call(g, torch.ops.aten.mul.Tensor, (tangent, 2), torch.empty(4))
+        view = _call(g, torch.ops.aten.view.default, (doubled, [2, 2]), doubled.meta["val"].view(2, 2))
+        own = _call(g, torch.ops.aten.mul.Tensor, (tangent, 3), torch.empty(4))
         g.output((tangent, doubled, view, own))
         return fx.GraphModule(torch.nn.Module(), g)
 
@@ -270,14 +278,10 @@ def test_the_smallest_gradients_stay_returned_when_their_bytes_do_not_matter():
 
     def bw_graph(sizes):
         g = fx.Graph()
-        tangent = g.placeholder("tangents_1")
-        tangent.meta["val"] = torch.empty(4)
-        outs = []
-        for size in sizes:
-            grad = g.call_function(torch.ops.aten.new_ones.default, (tangent, [size]))
-            grad.meta["val"] = torch.empty(size)
-            outs.append(grad)
-        g.output(tuple(outs))
+        tangent = _tangent(g)
+        g.output(
+            tuple(_call(g, torch.ops.aten.new_ones.default, (tangent, [size]), torch.empty(size)) for size in sizes)
+        )
         return fx.GraphModule(torch.nn.Module(), g)
 
     assert SMALL_GRADIENTS_SHARE * 40_000 >= 2 * 64
@@ -291,12 +295,8 @@ def test_the_smallest_gradients_stay_returned_when_their_bytes_do_not_matter():
 
 def test_the_handing_program_adds_each_gradient_into_its_grad_input_and_returns_none_for_it():
     g = fx.Graph()
-    x = g.placeholder("tangents_1")
-    x.meta["val"] = torch.empty(4)
-    first = g.call_function(torch.ops.aten.mul.Tensor, (x, 2))
-    first.meta["val"] = torch.empty(4)
-    second = g.call_function(torch.ops.aten.mul.Tensor, (first, 3))  # the first gradient's last use
-    second.meta["val"] = torch.empty(4)
+    first = _call(g, torch.ops.aten.mul.Tensor, (_tangent(g), 2), torch.empty(4))
+    second = _call(g, torch.ops.aten.mul.Tensor, (first, 3), torch.empty(4))  # the first gradient's last use
     g.output((first, second))
     bw = fx.GraphModule(torch.nn.Module(), g)
     assert hand_over_gradients(bw, [0, 1]) == (0, 1)
