@@ -75,7 +75,7 @@ def _tell(handed: bool) -> None:
 
 
 def existing_grads(
-    indices: tuple[int, ...], edges: tuple[int, ...], checked: dict[int, tuple] | None = None
+    indices: tuple[int, ...], edges: tuple[int, ...], checked: dict[int, tuple]
 ) -> dict[int, torch.Tensor] | None:
     """The ``.grad`` of each parameter at ``indices``, when the running backward may add into all of them
     what autograd's AccumulateGrad would; else None (the gradients go back to autograd).
@@ -95,7 +95,6 @@ def existing_grads(
     next_functions = node.next_functions
     if len(next_functions) != sum(1 for e in edges if e >= 0):
         return None  # not the node of the graph these positions were planned for
-    memo = {} if checked is None else checked
     grads = {}
     for i in indices:
         if edges[i] < 0:
@@ -106,7 +105,7 @@ def existing_grads(
         param = getattr(acc, "variable", None)  # only an AccumulateGrad has one
         if param is None:
             return None
-        known = memo.get(i)
+        known = checked.get(i)
         if known is None or known[0]() is not param:
             if acc.name() != _ACCUMULATE_GRAD:
                 return None
@@ -121,7 +120,7 @@ def existing_grads(
                 return None
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 return None
-            memo[i] = (weakref.ref(param), weakref.ref(grad), grad.dtype, grad.device)
+            checked[i] = (weakref.ref(param), weakref.ref(grad), grad.dtype, grad.device)
         grads[i] = grad
     return grads
 
@@ -214,6 +213,6 @@ def handing_over(compile_program: Callable) -> Callable:
         compiled = compile_program(gm, example_inputs, **kwargs)
         if not getattr(compiled, "_boxed_call", False):
             return compiled  # every inner compiler fxremat uses is boxed; another keeps its gradients
-        return HandingOver(compiled, build, indices, spec[2])
+        return HandingOver(compiled, build, indices, spec[1])
 
     return compile_with

@@ -600,9 +600,9 @@ def released_peak(analysis: Analysis, lowered: Lowered, options: Options) -> int
     )
 
 
-def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """What the backward's compiler needs to build the program that hands gradients over
-    (``fxremat/grads.py``): the parameters' output positions, the graph's input count, and the
+    (``fxremat/grads.py``): the parameters' output positions and the
     autograd edge of each input (-1 for a size: autograd gives only tensor inputs an edge, so a
     graph with dynamic sizes has fewer edges than inputs)."""
     if not options.hand_over_grads or not analysis.param_outputs:
@@ -615,7 +615,7 @@ def hand_over_spec(analysis: Analysis, options: Options) -> tuple[tuple[int, ...
             edge += 1
         else:
             edges.append(-1)
-    return analysis.param_outputs, len(inputs), tuple(edges)
+    return analysis.param_outputs, tuple(edges)
 
 
 def accumulating_peaks(analysis: Analysis, lowered: Lowered, options: Options) -> tuple[int, int] | None:

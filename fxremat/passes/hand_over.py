@@ -48,8 +48,8 @@ HAND_OVER = "fxremat_hand_over"
 GRAD_INPUT = "fxremat_grad_input"
 """``node.meta`` key of a ``.grad`` input of a handing backward: the backward output index it receives."""
 HAND_OVER_SPEC = "fxremat_hand_over_spec"
-"""``GraphModule.meta`` key of a planned backward: ``(parameter output indices, graph inputs, input
-edges)``, what ``fxremat/grads.py`` needs to build and run the program that hands their gradients over."""
+"""``GraphModule.meta`` key of a planned backward: ``(parameter output indices, input edges)``, what
+``fxremat/grads.py`` needs to build and run the program that hands their gradients over."""
 
 
 def hand_over_gradients(bw: fx.GraphModule, indices: list[int]) -> tuple[int, ...]:
