@@ -316,6 +316,44 @@ def test_returned_logits_keep_their_gradient_path(through_logits, chunk_loss):
     assert bool(plan.chunked) == (chunk_loss == 4)
 
 
+class Classifier(LM):
+    """Few classes, logits returned with the loss (HF's classification heads)."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("through_logits", [False, True])
+def test_small_returned_logits_keep_their_gradient_path_through_the_graph(through_logits):
+    """Logits under DETACH_MIN_BYTES stay differentiable through the compiled graph (no autograd
+    Function outside it, whose per-step cost is more than their zero gradient's); gradients exact."""
+    from fxremat.passes.chunk_loss import DETACH_MIN_BYTES, is_head_gradient
+
+    classes = 10
+    x, y = _data(vocab=classes)
+    assert T * classes * 4 < DETACH_MIN_BYTES
+    ref_model = Classifier(vocab=classes)
+    model = copy.deepcopy(ref_model)
+
+    def total(out):
+        loss, logits = out
+        return loss + (logits.square().mean() if through_logits else 0)
+
+    ref = total(ref_model(x, y))
+    ref.backward()
+    torch._dynamo.reset()
+    fxremat.clear_plans()
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager"})
+    out = compiled(x, y)
+    assert out[1].requires_grad and not is_head_gradient(out[1].grad_fn)
+    loss = total(out)
+    loss.backward()
+    compare(ref_model, ref, model, loss)
+    (plan,) = fxremat.plans()
+    assert plan.tangent_bytes >= T * classes * 4  # the logits' (small) gradient input is the graph's
+
+
 def test_auto_chunks_when_no_plan_fits_whole_and_the_step_stays_under_the_budget():
     x, y = _data()
     budget = 8 << 20  # unchunked least 12.0 MiB; chunked in 4: 2.6 MiB
