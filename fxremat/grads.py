@@ -75,14 +75,15 @@ def _tell(handed: bool) -> None:
 
 
 def existing_grads(
-    indices: tuple[int, ...], edges: tuple[int, ...], checked: dict[int, tuple]
-) -> dict[int, torch.Tensor] | None:
-    """The ``.grad`` of each parameter at ``indices``, when the running backward may add into all of them
-    what autograd's AccumulateGrad would; else None (the gradients go back to autograd).
+    positions: tuple[int, ...], edge_count: int, checked: list[tuple | None]
+) -> list[torch.Tensor] | None:
+    """The ``.grad`` of each parameter whose AccumulateGrad is the running autograd node's edge at
+    ``positions``, in that order, when the running backward may add into all of them what autograd's
+    AccumulateGrad would; else None (the gradients go back to autograd).
 
-    ``edges[i]`` is input ``i``'s position among the autograd node's edges (-1: a size, which has none).
-    ``checked``: the caller's memory of earlier calls (updated here), by weak reference. A ``.grad``
-    tensor checked before is not checked again for its layout and shape (changed in place only by
+    ``edge_count``: how many edges the node planned for has. ``checked``: the caller's memory of
+    earlier calls, one entry per position (updated here), by weak reference. A ``.grad`` tensor
+    checked before is not checked again for its layout and shape (changed in place only by
     ``resize_``/``set_``; ``HandingOver`` compares its strides at every call, and Inductor's program
     asserts sizes and strides); whether the engine runs the parameter's AccumulateGrad, its hooks,
     which tensor is ``.grad``, its dtype and device are checked at every call.
@@ -93,19 +94,17 @@ def existing_grads(
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
     next_functions = node.next_functions
-    if len(next_functions) != sum(1 for e in edges if e >= 0):
+    if len(next_functions) != edge_count:
         return None  # not the node of the graph these positions were planned for
-    grads = {}
-    for i in indices:
-        if edges[i] < 0:
-            return None
-        acc = next_functions[edges[i]][0]
+    grads = []
+    for k, at in enumerate(positions):
+        acc = next_functions[at][0]
         if acc is None:
             return None
         param = getattr(acc, "variable", None)  # only an AccumulateGrad has one
         if param is None:
             return None
-        known = checked.get(i)
+        known = checked[k]
         if known is None or known[0]() is not param:
             if acc.name() != _ACCUMULATE_GRAD:
                 return None
@@ -115,13 +114,13 @@ def existing_grads(
         grad = param.grad
         if grad is None or has_grad_hooks(param):
             return None
-        if known is None or known[1]() is not grad or grad.dtype != known[2] or grad.device != known[3]:
+        if known is None or known[1]() is not grad or grad.dtype is not known[2] or grad.device != known[3]:
             if grad.layout != torch.strided:
                 return None
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 return None
-            checked[i] = (weakref.ref(param), weakref.ref(grad), grad.dtype, grad.device)
-        grads[i] = grad
+            checked[k] = (weakref.ref(param), weakref.ref(grad), grad.dtype, grad.device)
+        grads.append(grad)
     return grads
 
 
@@ -141,21 +140,26 @@ class HandingOver:
         self.returning = returning
         self.build = build
         self.indices = indices
-        self.edges = edges
-        """Each graph input's position among the autograd node's edges (-1: a size)."""
+        # Each handed parameter's position among the autograd node's edges (``edges``: each graph
+        # input's, -1 for a size, which has none); None when one has none.
+        self.positions: tuple[int, ...] | None = (
+            tuple(edges[i] for i in indices) if all(edges[i] >= 0 for i in indices) else None
+        )
+        self.edge_count = sum(1 for e in edges if e >= 0)
         self.accumulating: Callable | None = None
-        self.checked: dict[int, tuple] = {}
+        self.checked: list[tuple | None] = [None] * len(indices)
         """``existing_grads``' memory of the parameters and ``.grad`` it checked."""
         self.strides: tuple[tuple[int, ...], ...] = ()
         """The ``.grad`` strides ``accumulating`` was compiled for (Inductor specialises on them)."""
         self.failed = False
 
     def __call__(self, args):
-        grads = None if self.failed else existing_grads(self.indices, self.edges, self.checked)
-        if grads is None:
+        given = None
+        if not self.failed and self.positions is not None:
+            given = existing_grads(self.positions, self.edge_count, self.checked)
+        if given is None:
             _tell(False)
             return self.returning(args)
-        given = [grads[i] for i in self.indices]
         program = self.accumulating
         if program is None:
             try:
