@@ -96,12 +96,13 @@ INDUCTOR_ALLOWANCE = 0.04
 # With no budget, a candidate plan is lowered and judged only when the solver's model puts
 # it at least this share, and this many bytes, below the fastest plan's peak.
 NO_BUDGET_MIN_GAIN = 0.02
-# What adding one gradient into ``.grad`` in the backward costs a step: checking its parameter at each
-# call (``grads.existing_grads``, about 2 us measured on the zoo's tiny ViT: 60 us for 27) and its share of
-# the kernels the adds bring (the ViT's backward: 25 kernels with them, 15 without). The zoo's tiny
-# ViT, alternating in one process, stepped 0.99x and 1.04x its step without them in two runs of 80
-# rounds; the custom op this replaced cost about 9 us a gradient, 1.22x.
-HAND_OVER_SECONDS = 3e-6
+# What adding one gradient into ``.grad`` in the backward costs a step, net: checking its parameter at
+# each call (``grads.existing_grads``: 38 us for the zoo's tiny ViT's 27) less the add autograd's
+# AccumulateGrad then no longer makes (0.4-1.6 us a tensor of 256-4096 elements, measured in eager).
+# Measured against the same compile returning its gradients, alternating in one process: the zoo's
+# ViT (27 gradients) +0.4%, Swin (27) -0.2% and +1.5%, ResNet (10) +0.5% and +1.1% of a ~2 ms step:
+# 0-2.6 us a gradient, within the noise of the runs. The custom op this replaced cost about 9 us.
+HAND_OVER_SECONDS = 1e-6
 # Nested checkpoints are taken when they lower the least plan's peak by at least this share: each
 # value recomputed twice costs its recompute time again, and code in the backward. HF GPT-2 compiled
 # whole (4 layers, hidden 256, Inductor): 156 values recomputed twice measured 38.1 MiB against 39.0
@@ -157,6 +158,8 @@ class Lowered:
     """Values the backward recomputes a second time after its peak (``Decision.twice``), by name."""
     scratch: dict[str, int] | None = None
     """Workspace by node name of these programs when it is not the analysis's (their copies' names)."""
+    kernels: int = 0
+    """Under Inductor: the kernels its programs call (``InductorStep.kernels``); 0 when not known."""
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,7 @@ def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options
     Under a budget it always is (the budget may need the memory). With no budget, only when
     it lowers the step's peak with ``.grad`` allocated by ``NO_BUDGET_MIN_GAIN`` at least
     (the caller's outputs alive or dropped), and when its cost (``HAND_OVER_SECONDS`` a
-    gradient: the checks at each call, the kernels the adds bring) fits in the no-budget
+    gradient: the checks at each call, net of the adds autograd no longer makes) fits in the no-budget
     default's time slack, a cost the solver's estimate does not count.
     """
     if options.budget is not None or options.grads_allocated is True or choice.accumulating is None:
@@ -306,27 +309,32 @@ def _hand_over_unpaid(analysis: Analysis, choice: Choice, released: int, options
             f"gradients returned at the backward's end: added into .grad as made, they would lower the peak by "
             f"less than {NO_BUDGET_MIN_GAIN:.0%}"
         )
-    step = _step_seconds(analysis, options) + choice.lowered.decision.recompute_seconds
+    step = _step_seconds(analysis, options, choice.lowered) + choice.lowered.decision.recompute_seconds
     calls = len(gradients_to_hand_over(choice.lowered.backward, list(analysis.param_outputs)))
     cost = calls * HAND_OVER_SECONDS
     if cost > options.time_slack * step:
         return (
             f"gradients returned at the backward's end: adding them into .grad as made costs "
             f"~{cost * 1e3:.2g} ms ({calls} gradients), more than the time slack "
-            f"({options.time_slack:.0%} of the step's estimated {step * 1e3:.3g} ms of compute)"
+            f"({options.time_slack:.0%} of the step's estimated {step * 1e3:.3g} ms"
+            + (f": its compute and {choice.lowered.kernels} kernel launches)" if analysis.fusion else ")")
         )
     return None
 
 
-def _step_seconds(analysis: Analysis, options: Options) -> float:
+def _step_seconds(analysis: Analysis, options: Options, lowered: Lowered) -> float:
     """The step's estimated time, the hand-over's time slack is a share of. Under Inductor its
-    compute alone (FLOPs and bytes moved at the profile's rates): the solver's per-op launch
-    overheads price ops Inductor fuses into a few kernels, and on small steps they are most of
-    the estimate (the zoo's tiny HF ResNet: 6.7 ms with them, 2.0 ms measured; handing its 10
-    gradients over cost 1.28x plain ``torch.compile``'s step). Eager runs every op: all of it."""
+    compute (FLOPs and bytes moved at the profile's rates) and a launch for each kernel its programs
+    call (``Lowered.kernels``): the solver's per-op launch overheads price ops Inductor fuses into a
+    few kernels, and on small steps they are most of the estimate (the zoo's tiny HF ResNet: 6.7 ms
+    with them, 2.0 ms measured). Still below the step that runs, which also pays its Python (the
+    zoo's tiny ViT: 0.22 ms of compute, 0.69 ms with its 67 kernels' launches, 1.9 ms measured with
+    0.22 ms recomputed).
+    Eager runs every op: all of it."""
     if not analysis.fusion:
         return sum(analysis.graph.problem.seconds)
-    return compute_seconds(analysis.costs, get_hardware(options.hardware))
+    hardware = get_hardware(options.hardware)
+    return compute_seconds(analysis.costs, hardware) + lowered.kernels * hardware.launch_seconds
 
 
 def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int, recomputes_rng: bool) -> Analysis:
@@ -369,11 +377,13 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     )
 
 
-def lower(analysis: Analysis, decision: Decision, options: Options, known: tuple[int, int] | None = None) -> Lowered:
+def lower(
+    analysis: Analysis, decision: Decision, options: Options, known: tuple[int, int, int] | None = None
+) -> Lowered:
     """The programs that will run for ``decision``, checked, and their simulated memory.
 
-    ``known``: the (peak, other peak) Inductor's programs for this decision were judged at in an
-    earlier run (``plan_cache``); the dry lowering is then skipped.
+    ``known``: the (peak, other peak, kernels) Inductor's programs for this decision were judged at
+    in an earlier run (``plan_cache``); the dry lowering is then skipped.
     """
     fw, bw, made = _programs(analysis, decision, options)
     if not decision.twice:
@@ -474,7 +484,7 @@ def _judge_programs(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
     options: Options,
-    known: tuple[int, int] | None,
+    known: tuple[int, int, int] | None,
     scratch: dict[str, int],
 ) -> Lowered:
     """``lower``'s judgement of the programs ``fw`` and ``bw``, whose nodes' workspace is ``scratch``."""
@@ -492,7 +502,7 @@ def _judge_programs(
     if not analysis.fusion:
         return Lowered(decision, fw, bw, sim, sim.peak + held)
     if known is not None:
-        return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1])
+        return Lowered(decision, fw, bw, sim, known[0], "inductor", known[1], kernels=known[2])
     # The backward is lowered in a forked child while this process lowers the forward (passes/forked.py).
     forked = _lower_beside(analysis, [(fw, judged)])
     try:
@@ -514,7 +524,17 @@ def _judge_programs(
         return Lowered(decision, fw, bw, sim, peak, "simulation+allowance")
     finally:
         stop_lowering(forked)
-    return Lowered(decision, fw, bw, sim, step.peak + held, "inductor", step.other_peak + held, step.forward_peak)
+    return Lowered(
+        decision,
+        fw,
+        bw,
+        sim,
+        step.peak + held,
+        "inductor",
+        step.other_peak + held,
+        step.forward_peak,
+        kernels=step.kernels,
+    )
 
 
 def _for_grads(analysis: Analysis, options: Options) -> Analysis:
@@ -1064,6 +1084,7 @@ def _cache_entry(analysis: Analysis, choice: Choice) -> dict:
         "fastest_peak": choice.fastest_peak,
         "peak": lowered.peak,
         "other_peak": lowered.other_peak,
+        "kernels": lowered.kernels,
         "accumulating": list(choice.accumulating) if choice.accumulating else None,
         "source": lowered.source,
     }
@@ -1100,7 +1121,7 @@ def _from_entry(
         )
         if d.peak_bytes != entry["model_peak"] or entry["source"] != ("inductor" if analysis.fusion else "simulation"):
             return None  # not the problem this entry was made for
-        known = (int(entry["peak"]), int(entry["other_peak"]))
+        known = (int(entry["peak"]), int(entry["other_peak"]), int(entry["kernels"]))
         fits, note, fastest_peak = bool(entry["fits"]), str(entry["note"]), int(entry["fastest_peak"])
         accumulating = entry["accumulating"]
         accumulating = (int(accumulating[0]), int(accumulating[1])) if accumulating else None

@@ -70,6 +70,38 @@ def test_a_graph_planned_once_is_not_searched_or_lowered_again(cache, counted):
     assert counted == {"solve": 0, "lower": 0}
     _same(first, again)
     assert "plan cache" in again.note and "plan cache" not in first.note
+    # What the plan's judgement went on, the hand-over's included (its time slack counts the programs' kernels).
+    assert again.accumulating_peak == first.accumulating_peak
+    assert [part for part in again.note.split("; ") if "plan cache" not in part] == first.note.split("; ")
+
+
+def test_a_plan_from_the_cache_counts_its_programs_kernels_as_the_search_did(cache, monkeypatch):
+    """The hand-over's time slack counts the kernels of the programs (``Lowered.kernels``): a plan read
+    from the cache, whose programs are not lowered again, must count as many, or a later run could
+    decide otherwise."""
+    counts = []
+    real = planner._step_seconds
+
+    def spy(analysis, options, lowered):
+        counts.append(lowered.kernels)
+        return real(analysis, options, lowered)
+
+    def explain() -> fxremat.Plan:
+        # Weights as large as its activations: adding the gradients in as made lowers the peak.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
+        )
+        return fxremat.explain(model, torch.randn(32, 256))
+
+    monkeypatch.setattr(planner, "_step_seconds", spy)
+    explain()
+    searched, counts[:] = list(counts), []
+    again = explain()
+    assert "plan cache" in again.note
+    assert searched and all(k > 0 for k in searched)
+    assert counts == searched
 
 
 def test_other_options_are_planned_afresh_and_kept_apart(cache, counted):

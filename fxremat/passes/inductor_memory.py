@@ -94,6 +94,8 @@ class InductorStep:
     other_peak: int = 0
     """The step's peak under the other assumption about the outputs (held if ``peak`` took
     them as released, released if held): the same programs, replayed once more."""
+    kernels: int = 0
+    """Kernels the two programs call, Inductor's own and extern ones (``mm``, convolutions)."""
 
 
 def _storage(node) -> tuple[StorageWeakRef, int] | None:
@@ -221,6 +223,7 @@ def predict_step(
         backward_peak,
         start,
         max(forward_peak, steps[not outputs_released][0]),
+        sum(1 for events in (fw_events, bw_events) for e in events if e[0] == "kernel"),
     )
 
 
