@@ -100,8 +100,8 @@ NO_BUDGET_MIN_GAIN = 0.02
 # each call (``grads.existing_grads``: 38 us for the zoo's tiny ViT's 27) less the add autograd's
 # AccumulateGrad then no longer makes (0.4-1.6 us a tensor of 256-4096 elements, measured in eager).
 # Measured against the same compile returning its gradients, alternating in one process: the zoo's
-# ViT (27 gradients) +0.4%, Swin (27) -0.2% and +1.5%, ResNet (10) +0.5% and +1.1% of a ~2 ms step:
-# 0-2.6 us a gradient, within the noise of the runs. The custom op this replaced cost about 9 us.
+# ViT (27 gradients) +0.4%, Swin (27) -0.2% and +1.5%, ResNet (10) +0.5% and +1.1% of a 1.9-2.4 ms
+# step: -0.2 to 2.6 us a gradient, within the noise of the runs. The custom op this replaced cost 9 us.
 HAND_OVER_SECONDS = 1e-6
 # Nested checkpoints are taken when they lower the least plan's peak by at least this share: each
 # value recomputed twice costs its recompute time again, and code in the backward. HF GPT-2 compiled
@@ -327,9 +327,8 @@ def _step_seconds(analysis: Analysis, options: Options, lowered: Lowered) -> flo
     compute (FLOPs and bytes moved at the profile's rates) and a launch for each kernel its programs
     call (``Lowered.kernels``): the solver's per-op launch overheads price ops Inductor fuses into a
     few kernels, and on small steps they are most of the estimate (the zoo's tiny HF ResNet: 6.7 ms
-    with them, 2.0 ms measured). Still below the step that runs, which also pays its Python (the
-    zoo's tiny ViT: 0.22 ms of compute, 0.69 ms with its 67 kernels' launches, 1.9 ms measured with
-    0.22 ms recomputed).
+    with them, 2.0 ms measured). Still below the step that runs, which also pays its Python: the
+    zoo's tiny ViT has 0.22 ms of compute and 67 kernels (0.46 ms of launches), and measured 1.9 ms.
     Eager runs every op: all of it."""
     if not analysis.fusion:
         return sum(analysis.graph.problem.seconds)

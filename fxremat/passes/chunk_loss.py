@@ -278,9 +278,10 @@ def chunk_losses(gm: fx.GraphModule, chunks: dict[fx.Node, int]) -> int:
 
     A site with 2 chunks or more is chunked. Every site whose logits are also returned (and read by
     nothing else in the graph) returns them without a gradient path through the graph, chunked or
-    not (unchunked: logits of ``DETACH_MIN_BYTES`` at least): the graph returns the head's input as one more output and ``reattach_head_grads`` gives
-    the logits the head's own backward outside it, so the backward takes no logits-sized gradient
-    of zeros (what autograd hands a graph for an output nobody differentiated).
+    not (unchunked: logits of ``DETACH_MIN_BYTES`` at least): the graph returns the head's input as
+    one more output and ``reattach_head_grads`` gives the logits the head's own backward outside
+    it, so the backward takes no logits-sized gradient of zeros (what autograd hands a graph for an
+    output nobody differentiated).
 
     Args:
         gm: Dynamo's graph; changed in place and recompiled.
