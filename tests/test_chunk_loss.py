@@ -294,7 +294,14 @@ def test_returned_logits_keep_their_gradient_path(through_logits, chunk_loss):
     """The logits leave the graph without a gradient path (no zero gradient for them in its
     backward) and get the head's own backward outside: a loss through them is still exact."""
     x, y = _data()
-    ref_model = WithLogits(bias=True)
+    out, plan = _step_returning_logits(WithLogits(bias=True), x, y, through_logits, {"chunk_loss": chunk_loss})
+    assert plan.tangent_bytes < T * V * 4  # no logits-sized gradient input, chunked or not
+    assert bool(plan.chunked) == (chunk_loss == 4)
+
+
+def _step_returning_logits(ref_model, x, y, through_logits: bool, options: dict):
+    """One step of ``ref_model`` (returning the loss and the logits) compiled under ``inner="eager"``
+    and ``options``, its loss through the logits or not, compared with eager: (outputs, its plan)."""
     model = copy.deepcopy(ref_model)
 
     def total(out):
@@ -305,15 +312,14 @@ def test_returned_logits_keep_their_gradient_path(through_logits, chunk_loss):
     ref.backward()
     torch._dynamo.reset()
     fxremat.clear_plans()
-    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "chunk_loss": chunk_loss})
+    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", **options})
     out = compiled(x, y)
     torch.testing.assert_close(out[1], ref_model(x, y)[1])
     loss = total(out)
     loss.backward()
     compare(ref_model, ref, model, loss)
     (plan,) = fxremat.plans()
-    assert plan.tangent_bytes < T * V * 4  # no logits-sized gradient input, chunked or not
-    assert bool(plan.chunked) == (chunk_loss == 4)
+    return out, plan
 
 
 class Classifier(LM):
@@ -333,24 +339,8 @@ def test_small_returned_logits_keep_their_gradient_path_through_the_graph(throug
     classes = 10
     x, y = _data(vocab=classes)
     assert T * classes * 4 < DETACH_MIN_BYTES
-    ref_model = Classifier(vocab=classes)
-    model = copy.deepcopy(ref_model)
-
-    def total(out):
-        loss, logits = out
-        return loss + (logits.square().mean() if through_logits else 0)
-
-    ref = total(ref_model(x, y))
-    ref.backward()
-    torch._dynamo.reset()
-    fxremat.clear_plans()
-    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager"})
-    out = compiled(x, y)
-    assert out[1].requires_grad and not is_head_gradient(out[1].grad_fn)
-    loss = total(out)
-    loss.backward()
-    compare(ref_model, ref, model, loss)
-    (plan,) = fxremat.plans()
+    out, plan = _step_returning_logits(Classifier(vocab=classes), x, y, through_logits, {})
+    assert not is_head_gradient(out[1].grad_fn)
     assert plan.tangent_bytes >= T * classes * 4  # the logits' (small) gradient input is the graph's
 
 
