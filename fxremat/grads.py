@@ -139,7 +139,6 @@ class HandingOver:
         self._boxed_call = True
         self.returning = returning
         self.build = build
-        self.indices = indices
         # Each handed parameter's position among the autograd node's edges (``edges``: each graph
         # input's, -1 for a size, which has none); None when one has none.
         self.positions: tuple[int, ...] | None = (

@@ -108,9 +108,9 @@ class Options:
     (``torch.autograd.grad``, hooks on a parameter, ``retain_graph``, ``torch.distributed``) they
     are returned as before; so are the smallest gradients, at most 1% of the bytes (biases, norm
     weights), and with no budget all of them where handing them over would lower the step's peak
-    by less than 2%, or where their cost (about 3 us each: the checks above at each call, the
-    kernels the adds bring) does not fit in ``time_slack`` of the estimated step (under Inductor
-    its compute alone, without per-op launches).
+    by less than 2%, or where their cost (about 1 us each: the checks above at each call, net of
+    the adds autograd then skips) does not fit in ``time_slack`` of the estimated step (under
+    Inductor its compute and one launch per kernel of its programs, not one per op).
     False: always return them at the end."""
     grads_allocated: bool | None = None
     """Whether the parameters' ``.grad`` exist when the backward runs (gradient accumulation,
