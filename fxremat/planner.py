@@ -1000,6 +1000,10 @@ def choose(
         cached = _from_cache(key, analysis, options, name, fastest, started)
         if cached is not None:
             return completed(cached)
+    if budget is None and reference is not None:
+        # With no budget PyTorch's own partition is always a candidate: on another core while this
+        # process searches.
+        reference.start()
     choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
     if not choice.fits and options.on_infeasible == "error":
         if memo is not None and memo_key is not None and choice.lowered.source != "simulation+allowance":

@@ -199,3 +199,56 @@ def test_under_a_budget_the_fastest_plan_for_the_report_is_lowered_beside_the_st
     assert pending == [2], pending  # the fastest plan's forward and backward
     _same(there, here)
     assert here.fastest_peak > budget >= here.predicted_peak
+
+
+def _reference_forks_counted(monkeypatch, call=None) -> list[str]:
+    from fxremat.passes import reference
+
+    started: list[str] = []
+    real = reference.fork_call
+    monkeypatch.setattr(
+        reference, "fork_call", lambda c, what: started.append(what) or real(call if call is not None else c, what)
+    )
+    return started
+
+
+def test_with_no_budget_pytorchs_partition_runs_in_a_child_with_the_same_plan(monkeypatch, forking):
+    """With no budget PyTorch's own partition (always a candidate) runs in a forked child while this process
+    searches; the plan is the one it makes with no child."""
+    started = _reference_forks_counted(monkeypatch)
+    there = _explain(inner="eager")
+    assert started == ["PyTorch's partition"], started
+    monkeypatch.setenv(forked.ENV_WORKERS, "1")
+    here = _explain(inner="eager")
+    assert started == ["PyTorch's partition"], started  # no child with one worker
+    _same(there, here)
+    assert there.solver == here.solver
+
+
+def test_a_failed_partition_child_is_run_here(monkeypatch, forking, caplog):
+    """A child that fails changes nothing: PyTorch's partition runs in this process instead."""
+    monkeypatch.setenv(forked.ENV_WORKERS, "1")
+    here = _explain(inner="eager")
+    monkeypatch.setenv(forked.ENV_WORKERS, "2")
+    started = _reference_forks_counted(monkeypatch, call=lambda: 1 // 0)
+    with caplog.at_level("INFO", logger="fxremat"):
+        there = _explain(inner="eager")
+    assert started == ["PyTorch's partition"], started
+    assert "PyTorch's partition in a forked child failed (ZeroDivisionError" in caplog.text, caplog.text
+    _same(there, here)
+
+
+def test_a_reference_dropped_unasked_ends_its_child(forking):
+    import gc
+
+    from fxremat.passes.reference import Reference
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    ref = Reference(gm, [], 1, [])
+    ref.start()
+    assert ref._child is not None
+    pid = ref._child.pid
+    del ref
+    gc.collect()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # ended and reaped
