@@ -241,6 +241,10 @@ def partition(
         # What plain torch.compile would save: a no-budget candidate, and one for the least-memory plan
         # (copied before prepare_joint edits the graph).
         reference = Reference(joint, joint_inputs, num_fwd_outputs, static_lifetime_input_indices or [])
+        if options.budget is None:
+            # With no budget it is always a candidate (unless the plan cache has the plan): on another
+            # core while this process analyses the graph and searches.
+            reference.start()
     joint, recomputes_rng = prepare_joint(joint)
     folded = fold_sums_into_index_put(joint)
     if folded:
@@ -1000,10 +1004,6 @@ def choose(
         cached = _from_cache(key, analysis, options, name, fastest, started)
         if cached is not None:
             return completed(cached)
-    if budget is None and reference is not None:
-        # With no budget PyTorch's own partition is always a candidate: on another core while this
-        # process searches.
-        reference.start()
     choice = _choose(analysis, options, name, reference, started, fastest, budget, judge)
     if not choice.fits and options.on_infeasible == "error":
         if memo is not None and memo_key is not None and choice.lowered.source != "simulation+allowance":
