@@ -252,3 +252,20 @@ def test_a_reference_dropped_unasked_ends_its_child(forking):
     gc.collect()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # ended and reaped
+
+
+def test_a_fork_that_fails_leaves_pytorchs_partition_to_this_process(monkeypatch, forking, caplog):
+    from fxremat.passes import reference
+
+    monkeypatch.setenv(forked.ENV_WORKERS, "1")
+    here = _explain(inner="eager")
+    monkeypatch.setenv(forked.ENV_WORKERS, "2")
+
+    def no_fork(call, what):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(reference, "fork_call", no_fork)
+    with caplog.at_level("INFO", logger="fxremat"):
+        there = _explain(inner="eager")
+    assert "could not fork a child for PyTorch's partition" in caplog.text, caplog.text
+    _same(there, here)

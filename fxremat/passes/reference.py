@@ -61,7 +61,11 @@ class Reference:
         if self._done or self._child is not None or workers() < 2:
             return
         root, graph, *rest = self._args
-        self._child = fork_call(lambda: _pytorch_saved(fx.GraphModule(root, graph), *rest), "PyTorch's partition")
+        try:
+            self._child = fork_call(lambda: _pytorch_saved(fx.GraphModule(root, graph), *rest), "PyTorch's partition")
+        except OSError as e:  # no process to spare (EAGAIN, ENOMEM): run here when asked
+            log.info("fxremat: could not fork a child for PyTorch's partition (%s); running it here", e)
+            return
         # A reference dropped unasked (the search failed, or found its plan elsewhere) ends its child.
         self._ended = weakref.finalize(self, self._child.cancel)
 
