@@ -269,3 +269,15 @@ def test_a_fork_that_fails_leaves_pytorchs_partition_to_this_process(monkeypatch
         there = _explain(inner="eager")
     assert "could not fork a child for PyTorch's partition" in caplog.text, caplog.text
     _same(there, here)
+
+
+def test_a_fork_that_fails_leaves_the_lowering_to_this_process(monkeypatch, forking, caplog, lowered_here):
+    def no_fork(call, what):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(inductor_memory, "fork_call", no_fork)
+    inductor_memory.forget_programs()
+    with caplog.at_level("INFO", logger="fxremat.passes.inductor_memory"):
+        plan = _explain()
+    assert "could not fork a child to lower" in caplog.text, caplog.text
+    _same(plan, lowered_here)

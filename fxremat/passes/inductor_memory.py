@@ -381,7 +381,11 @@ def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
         def lower(group_programs=group_programs) -> list[list[tuple]]:
             return [inductor_program_events(gm, is_backward=b, donated=d) for gm, b, d in group_programs]
 
-        child = fork_call(lower, what)
+        try:
+            child = fork_call(lower, what)
+        except OSError as e:  # no process to spare (EAGAIN, ENOMEM): what was not handed out is lowered here
+            log.info("fxremat: could not fork a child to lower %s (%s); lowering it here", what, e)
+            break
         for k in group_keys:
             _PENDING[k] = (child, group_keys)
         handed += group_keys
