@@ -74,18 +74,17 @@ class Reference:
         if self._done:
             return self._saved
         self._done = True
-        if self._child is not None:
-            assert self._ended is not None
+        ok, answer = False, None
+        if self._child is not None and self._ended is not None:
             self._ended.detach()
             ok, answer = self._child.result()
             self._child = None
-            if ok:
-                self._saved = answer  # type: ignore[assignment]
-                self._args = None  # type: ignore[assignment]
-                return self._saved
-            log.info("fxremat: PyTorch's partition in a forked child failed (%s); running it here", answer)
-        root, graph, *rest = self._args
-        self._saved = _pytorch_saved(fx.GraphModule(root, graph), *rest)
+            if not ok:
+                log.info("fxremat: PyTorch's partition in a forked child failed (%s); running it here", answer)
+        if not ok:
+            root, graph, *rest = self._args
+            answer = _pytorch_saved(fx.GraphModule(root, graph), *rest)
+        self._saved = answer  # type: ignore[assignment]
         self._args = None  # type: ignore[assignment]
         return self._saved
 
