@@ -647,6 +647,26 @@ def compile_context_now():
     return again
 
 
+# torch._dynamo.mark_dynamic records the dimensions on the tensor itself, in a private attribute.
+def marked_dynamic(t: torch.Tensor) -> set[int]:
+    """The dimensions of ``t`` marked with ``torch._dynamo.mark_dynamic`` (not ``maybe_mark_dynamic``):
+    Dynamo raises if a compile fixes one of them."""
+    return set(getattr(t, "_dynamo_dynamic_indices", ()) or ())
+
+
+# Which compile of its frame Dynamo is making (torch._guards' compile id) and how many it makes before it
+# runs the frame uncompiled (torch._dynamo.config.recompile_limit): both private.
+def frame_compiles() -> tuple[int, int] | None:
+    """(how many times Dynamo has compiled the frame it is compiling now, this compile counted; how many
+    it compiles at most before running new inputs of it without compiling them); None outside a compile."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_compile_id is None:
+        return None
+    return compile_id.frame_compile_id + 1, int(torch._dynamo.config.recompile_limit)
+
+
 # Dynamo tells AOTAutograd which inputs are parameters (static_input_indices) through the private
 # `_param_name_to_source` of its GraphModule and `_dynamo_source` of each placeholder, which
 # copy.deepcopy drops: a copy compiled again (a re-plan, the chunked loss) would have none.

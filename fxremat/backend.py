@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ._torch_compat import (
     SUPPORTED_TORCH,
@@ -26,7 +27,9 @@ from ._torch_compat import (
     aot_autograd,
     compile_fx,
     copy_dynamo_graph,
+    frame_compiles,
     keyed_by_program,
+    marked_dynamic,
     min_cut_partition,
     no_autograd_cache,
     returning_inputs_as_given,
@@ -146,6 +149,8 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     dry = program_compiler is not None
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
+        if options.budget is not None:
+            fixing_sizes(gm, example_inputs)
         # The first plans of a graph (budget refused, then the outputs dropped or the least plan;
         # the loss whole, then chunked) share what they found (compile_scope.remembering).
         with remembering():
@@ -221,6 +226,57 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             return compile_fx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile_graph
+
+
+def fixing_sizes(gm: fx.GraphModule, example_inputs) -> bool:
+    """Under a budget, fix the sizes of a graph Dynamo traced with symbolic ones to the sizes it came with.
+
+    A budget is a promise about each step that runs, and a plan's peak grows with its
+    sizes: a graph Dynamo made dynamic (a second sequence length, ``dynamic=True``) is
+    planned for the sizes it was compiled at, and each new size compiles and plans again
+    (Dynamo guards the graph to them). With no budget nothing is fixed: one plan, made at
+    the first dynamic sizes, runs every length, as plain ``torch.compile`` runs its own.
+
+    Dynamo compiles one frame at most ``torch._dynamo.config.recompile_limit`` times and
+    runs it uncompiled after that, outside the plan and the budget: the last such compile
+    warns.
+
+    Returns:
+        Whether any size was symbolic.
+    """
+    sizes = [v for v in example_inputs if isinstance(v, torch.SymInt)]
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("example_value")
+        if isinstance(val, torch.Tensor):
+            sizes += [d for d in (*val.shape, *val.stride(), val.storage_offset()) if isinstance(d, torch.SymInt)]
+        elif isinstance(val, torch.SymInt):
+            sizes.append(val)
+    if not sizes:
+        return False
+    names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+    marked = [
+        (names[i], sorted(marked_dynamic(v))) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
+    ]
+    marked = [(name, dims) for name, dims in marked if dims]
+    if marked:
+        where = "; ".join(f"{name}, dimensions {dims}" for name, dims in marked)
+        raise ValueError(
+            f"fxremat: sizes marked dynamic with torch._dynamo.mark_dynamic ({where}), but under a budget fxremat "
+            "plans a graph for its sizes (a plan's peak grows with them) and compiles each new size on its own. "
+            "Use torch._dynamo.maybe_mark_dynamic, or drop the budget to plan once for any size"
+        )
+    for size in sizes:
+        guard_int(size)
+    compiles = frame_compiles()
+    if compiles is not None and compiles[0] >= compiles[1]:
+        warnings.warn(
+            f"fxremat: under a budget each new input size is planned and compiled on its own, and this is "
+            f"compile {compiles[0]} of this function, the most Dynamo makes (torch._dynamo.config.recompile_limit "
+            f"= {compiles[1]}): inputs of a size not seen yet will run uncompiled, outside the budget. Pad inputs "
+            "to a few sizes (e.g. a tokenizer's pad_to_multiple_of), or raise the limit",
+            stacklevel=2,
+        )
+    return True
 
 
 def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):

@@ -503,12 +503,12 @@ LENGTHS = (8, 16, 24)
 
 
 def test_dynamic_shapes_grads_and_budget_at_each_length():
-    """With ``dynamic=True`` and a budget, each length either fits or gets its own plan.
+    """With ``dynamic=True`` and a budget, each length gets its own plan.
 
-    What happens today (torch 2.13, default options): fxremat's op-scratch
-    measurement runs ops on concrete sizes and so installs a shape guard, and
-    each new length recompiles with its own plan (one plan per length). Each
-    plan, and the measured peak, fits the budget.
+    Under a budget fxremat fixes a graph's symbolic sizes to the ones it came with
+    (``backend.fixing_sizes``): each new length recompiles with its own plan. Each
+    plan, and the measured peak, fits the budget (tests/test_dynamic_sizes.py: with
+    no budget one plan runs every length).
     """
     torch.manual_seed(0)
     base = Tiny()

@@ -38,8 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._torch_compat import DYNAMO_LINEAR
+from .opinfo import size_hint
 
 __all__ = [
     "LossSite",
@@ -97,12 +99,15 @@ class LossSite:
         hidden: the head's input (the hidden states) or, without a head, the logits input.
         weight: the head's weight node (None without a head).
         bias: the head's bias node, if any.
-        tokens: rows of the loss's input (tokens across the batch).
+        tokens: rows of the loss's input (tokens across the batch), at its size hint when ``sized`` is False.
         vocab: the vocabulary size (the loss's classes).
         logits_escape: the head's output has users other than the loss (a graph output).
         logits_to_output_only: those other users are the graph's output alone (no op in the
             graph reads the logits): the logits can leave the compiled graph without a gradient
             path through it (``reattach_head_grads``).
+        sized: its token count and vocabulary are fixed sizes. Under dynamic sizes (a graph Dynamo
+            compiles for any length, planned with no budget) they are not, and the loss is never
+            chunked: its chunks' rows would be fixed at one length.
     """
 
     loss: fx.Node
@@ -114,6 +119,7 @@ class LossSite:
     vocab: int
     logits_escape: bool
     logits_to_output_only: bool = False
+    sized: bool = True
 
     def logits_bytes(self) -> int:
         """Bytes of the loss's input in fp32: the size of each vocabulary-sized tensor it makes."""
@@ -132,14 +138,14 @@ def _shape(node) -> torch.Size:
     return val.shape
 
 
-def _row_wise(node: fx.Node, vocab: int) -> fx.Node | None:
-    """The input of ``node`` when ``node`` acts on each last-dimension row alone, else None."""
+def _row_wise(node: fx.Node, vocab) -> fx.Node | None:
+    """The input of ``node`` when ``node`` acts on each last-dimension row alone (rows of ``vocab``), else None."""
     val = _val(node)
-    if val is None or val.dim() < 1 or val.shape[-1] != vocab:
+    if val is None or val.dim() < 1 or not _same(val.shape[-1], vocab):
         return None
     if node.op == "call_method" and node.target in _CASTS | _RESHAPES:
         source = node.args[0]
-        if isinstance(source, fx.Node) and _val(source) is not None and _shape(source)[-1] == vocab:
+        if isinstance(source, fx.Node) and _val(source) is not None and _same(_shape(source)[-1], vocab):
             if node.target == "to" and any(isinstance(a, torch.device) for a in node.args[1:]):
                 return None
             return source
@@ -204,11 +210,13 @@ def _site(loss: fx.Node) -> LossSite | None:
         return None
     if not isinstance(args["label_smoothing"], (int, float)):
         return None
-    tokens, vocab = int(val.shape[0]), int(val.shape[1])
+    # Sizes read without guarding on them: a guard would fix a dynamic graph to this one length.
+    sized = _fixed(val.shape[0]) and _fixed(val.shape[1])
+    tokens, vocab = size_hint(val.shape[0]), size_hint(val.shape[1])
     node = logits
     while True:
         if node.op == "placeholder":
-            return LossSite(loss, None, logits, None, None, tokens, vocab, logits_escape=False)
+            return LossSite(loss, None, logits, None, None, tokens, vocab, logits_escape=False, sized=sized)
         if node.op == "call_function" and node.target in _LINEAR:
             hidden, weight = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -217,18 +225,38 @@ def _site(loss: fx.Node) -> LossSite | None:
                 return None
             if bias is not None and not isinstance(bias, fx.Node):
                 return None
-            if wval is None or wval.dim() != 2 or wval.shape[0] != vocab:
+            if wval is None or wval.dim() != 2 or not _same(wval.shape[0], val.shape[1]):
                 return None
-            if _shape(hidden)[:-1].numel() != tokens:
+            if not _same(_rows(_shape(hidden)), val.shape[0]):
                 return None  # a slice between head and loss: the rows no longer line up
             outside = _outside_readers(node, loss)
             # Only the graph's output reads the head itself: the logits can leave without a gradient path.
             only_output = bool(outside) and all(n is node and user.op == "output" for n, user in outside)
-            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, bool(outside), only_output)
-        source = _row_wise(node, vocab)
+            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, bool(outside), only_output, sized)
+        source = _row_wise(node, val.shape[1])
         if source is None:
             return None
         node = source
+
+
+def _fixed(size) -> bool:
+    """Whether ``size`` is one value (an int, or a symbolic size its graph has fixed), asked without a guard."""
+    return not isinstance(size, torch.SymInt) or statically_known_true(size == size_hint(size))
+
+
+def _rows(shape: torch.Size):
+    """The product of every size but the last, kept symbolic (``Size.numel`` would guard on each size)."""
+    rows = 1
+    for size in shape[:-1]:
+        rows = rows * size
+    return rows
+
+
+def _same(a, b) -> bool:
+    """Whether two sizes are known equal, asked without a guard (a guard on a symbolic size fixes it)."""
+    if not isinstance(a, torch.SymInt) and not isinstance(b, torch.SymInt):
+        return a == b
+    return statically_known_true(a == b)
 
 
 def _outside_readers(head: fx.Node, loss: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
@@ -262,6 +290,8 @@ def chunk_count(site: LossSite, chunks: int | None = None, budget: int | None = 
         >>> chunk_count(site)  # 512 tokens x 128k classes: 16 (32 tokens each)
         >>> chunk_count(site, budget=4 << 30)  # 256 MiB of fp32 logits: 2 chunks of 128 MiB, each <= 4 GiB / 16
     """
+    if not site.sized:
+        return 1
     if chunks is not None:
         return max(1, min(chunks, site.tokens))
     most = max(1, min(AUTO_CHUNKS, site.tokens // MIN_ROWS_PER_CHUNK))
@@ -369,7 +399,7 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         if head is None:
             hidden: fx.Node = chain
         else:
-            hidden = graph.call_method("reshape", (site.hidden, -1, _shape(site.hidden)[-1]))
+            hidden = graph.call_method("reshape", (site.hidden, -1, size_hint(_shape(site.hidden)[-1])))
         new = graph.call_function(
             chunked_cross_entropy,
             (hidden, site.weight, site.bias, target),
@@ -387,7 +417,8 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         if site.logits_escape:
             out = graph.call_function(operator.getitem, (new, 0))
             logits = graph.call_function(operator.getitem, (new, 1))
-            logits = graph.call_method("view", (logits, *_shape(head)))
+            # A chunked site's sizes are fixed (``LossSite.sized``): the ints they are.
+            logits = graph.call_method("view", (logits, *(size_hint(d) for d in _shape(head))))
     out.meta = dict(loss.meta)
     loss.replace_all_uses_with(out)
     graph.erase_node(loss)

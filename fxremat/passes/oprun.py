@@ -79,28 +79,24 @@ def op_signature(node: fx.Node) -> tuple:
     return (node.target, repr(args), repr(kwargs))
 
 
-def _concrete(value, keep_symints: bool, stride: tuple[int, ...] | None = None):
-    """A node's value with tensors materialized and symbolic ints at their hints (or kept), others as they are."""
+def _concrete(value, stride: tuple[int, ...] | None = None):
+    """A node's value with tensors materialized and symbolic ints at their hints (never guarded: a graph
+    with dynamic sizes stays dynamic), others as they are."""
     if isinstance(value, torch.Tensor):
         return materialize(value, stride)
     if isinstance(value, (list, tuple)):
-        return type(value)(_concrete(v, keep_symints) for v in value)
-    if isinstance(value, torch.SymInt) and not keep_symints:
+        return type(value)(_concrete(v) for v in value)
+    if isinstance(value, torch.SymInt):
         return size_hint(value)
     return value
 
 
-def standalone_call(
-    node: fx.Node, *, keep_symints: bool = False, strides: dict[fx.Node, tuple[int, ...]] | None = None
-) -> Callable[[], object]:
+def standalone_call(node: fx.Node, *, strides: dict[fx.Node, tuple[int, ...]] | None = None) -> Callable[[], object]:
     """A zero-argument callable running ``node``'s op on fresh real inputs (made now, once).
 
     Args:
         node: a ``call_function`` node whose target is callable (an op overload)
             and whose inputs carry ``meta["val"]``; call inside ``real_tensors()``.
-        keep_symints: pass symbolic-int arguments to the op as they are instead of
-            at their hints; the op then guards each to its current value, which
-            specializes the graph's sizes (one compile per size under ``dynamic=True``).
         strides: input node -> the strides to lay that input out with instead of its own.
 
     Example:
@@ -108,7 +104,7 @@ def standalone_call(
         ...     out = standalone_call(node)()
     """
     strides = strides or {}
-    real = {a: _concrete(a.meta.get("val"), keep_symints, strides.get(a)) for a in node.all_input_nodes}
+    real = {a: _concrete(a.meta.get("val"), strides.get(a)) for a in node.all_input_nodes}
     args = fx.node.map_arg(node.args, lambda a: real[a])
     kwargs = fx.node.map_arg(node.kwargs, lambda a: real[a])
     target = node.target

@@ -147,9 +147,9 @@ Strides = dict[fx.Node, tuple[int, ...]]
 
 
 def _call(node: fx.Node, strides: Strides | None = None) -> Callable[[], object]:
-    # Symbolic-int arguments go to the op unevaluated, so the op guards them to the sizes
-    # scratch is measured at: under dynamic shapes a new size recompiles and is measured anew.
-    return standalone_call(node, keep_symints=True, strides=strides)
+    # Symbolic sizes at their hints, never guarded: a graph with dynamic sizes stays dynamic (under a
+    # budget its sizes were fixed when it came in, ``backend.fixing_sizes``, so the hints are its sizes).
+    return standalone_call(node, strides=strides)
 
 
 def _run_cuda(node: fx.Node, strides: Strides | None = None) -> int:
