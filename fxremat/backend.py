@@ -228,7 +228,7 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     return compile_graph
 
 
-def fixing_sizes(gm: fx.GraphModule, example_inputs) -> bool:
+def fixing_sizes(gm: fx.GraphModule, example_inputs) -> None:
     """Under a budget, fix the sizes of a graph Dynamo traced with symbolic ones to the sizes it came with.
 
     A budget is a promise about each step that runs, and a plan's peak grows with its
@@ -240,24 +240,22 @@ def fixing_sizes(gm: fx.GraphModule, example_inputs) -> bool:
     Dynamo compiles one frame at most ``torch._dynamo.config.recompile_limit`` times and
     runs it uncompiled after that, outside the plan and the budget: the last such compile
     warns.
-
-    Returns:
-        Whether any size was symbolic.
     """
     sizes = [v for v in example_inputs if isinstance(v, torch.SymInt)]
-    for node in gm.graph.find_nodes(op="placeholder"):
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node in placeholders:
         val = node.meta.get("example_value")
         if isinstance(val, torch.Tensor):
             sizes += [d for d in (*val.shape, *val.stride(), val.storage_offset()) if isinstance(d, torch.SymInt)]
         elif isinstance(val, torch.SymInt):
             sizes.append(val)
     if not sizes:
-        return False
-    names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+        return
     marked = [
-        (names[i], sorted(marked_dynamic(v))) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
+        (str(node.target), sorted(marked_dynamic(v)))
+        for node, v in zip(placeholders, example_inputs)
+        if isinstance(v, torch.Tensor) and marked_dynamic(v)
     ]
-    marked = [(name, dims) for name, dims in marked if dims]
     if marked:
         where = "; ".join(f"{name}, dimensions {dims}" for name, dims in marked)
         raise ValueError(
@@ -276,7 +274,6 @@ def fixing_sizes(gm: fx.GraphModule, example_inputs) -> bool:
             "to a few sizes (e.g. a tokenizer's pad_to_multiple_of), or raise the limit",
             stacklevel=2,
         )
-    return True
 
 
 def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):
