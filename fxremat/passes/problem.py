@@ -294,6 +294,9 @@ def specialize_sizes(joint: fx.GraphModule) -> None:
     A plan is checked against the budget at concrete sizes; a longer sequence
     would peak higher. With a budget, each new size therefore recompiles and
     is planned anew (Dynamo's recompile limit then bounds how many sizes compile).
+    The backend fixes Dynamo's graph's sizes before anything reads them
+    (``backend.fixing_sizes``: the loss sites too); this covers the partitioner
+    called on its own, where it is then a no-op.
     """
     for node in joint.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
