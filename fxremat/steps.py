@@ -152,6 +152,36 @@ def _append(call: _Call) -> None:
     _CALLS.append(call)
 
 
+class _Parameters:
+    """A set of tensors by identity, held weakly (``weakref.WeakSet`` would compare tensors with ``==``,
+    elementwise, where two hash alike)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+    def __iter__(self):
+        return iter([t for t in (r() for r in list(self._refs.values())) if t is not None])
+
+    def update(self, tensors) -> None:
+        self._refs = {k: r for k, r in self._refs.items() if r() is not None}
+        self._refs.update((id(t), weakref.ref(t)) for t in tensors)
+
+    def discard(self, tensors) -> None:
+        for t in tensors:
+            if t in self:
+                del self._refs[id(t)]
+
+
+# Parameters of graphs whose caller was seen dropping the outputs before the backward (the `.loss` idiom):
+# another graph of the same model (a new sequence length under a budget) is planned for that from its
+# first compile, checked at its first backward. Weak: a model's parameters leave with it.
+_DROPPED_BY_CALLER = _Parameters()
+
+
 def _params(args) -> list[torch.Tensor]:
     """The leaf tensors among ``args`` that require grad (the parameters)."""
     return [a for a in args if _real(a) and a.requires_grad and a.is_leaf]
@@ -209,6 +239,8 @@ class TrackedGraph:
         layers, FSDP2 wrapping each one) runs while its own earlier calls hold their activations."""
         self.watched = 0
         """Backwards watched with no budget (``_watch``)."""
+        self.parameters = _Parameters()
+        """The parameters among its inputs (``_DROPPED_BY_CALLER``)."""
         self.params_at: tuple[int, ...] | None = None
         """With no budget, once what a backward can show is settled (``SETTLED_AFTER``): the positions of
         the parameters among the arguments, whose ``.grad`` each call then checks instead of watching."""
@@ -504,6 +536,7 @@ def track(
     calls = held() if options.budget is not None else []
     options = _with_fsdp(options, example_inputs, first=not calls)
     graph = TrackedGraph(gm, options, compile_graph, replannable=options.budget is not None)
+    graph.parameters.update(_params(example_inputs))
     holding, holders = sum(c.held() for c in calls), sorted({c.graph for c in calls})
     planned = options
     if not holding:
@@ -681,6 +714,19 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
     if options.release_outputs is not None or graph.source is None:
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
         return options
+    if any(p in _DROPPED_BY_CALLER for p in graph.parameters):
+        # Another graph of this model (another input size) showed its caller drops the outputs before the
+        # backward: planned for that at once (one compile instead of two), checked at the first backward.
+        dropped = dataclasses.replace(options, release_outputs=True)
+        graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
+        graph.assumed_released = graph.released = True
+        if graph.plan is not None:
+            log.info(
+                "fxremat %s: planned with its outputs dropped before the backward, as the caller of another "
+                "graph of this model drops them; checked at the first backward",
+                graph.plan.graph,
+            )
+        return dropped
     try:
         first = dataclasses.replace(options, on_infeasible="error")
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, first)
@@ -855,6 +901,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
                 alive = call.outputs_alive()
             if alive >= REPLAN_MIN_SHARE * options.budget:
                 graph.assumed_released = False
+                _DROPPED_BY_CALLER.discard(graph.parameters)
                 warnings.warn(
                     f"fxremat {plan.graph}: the caller keeps {format_bytes(alive)} of outputs alive through the "
                     f"backward, which this plan took as dropped: this step can peak up to {format_bytes(alive)} "
@@ -878,6 +925,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
         released = plan.output_bytes - alive
         if released >= REPLAN_MIN_SHARE * options.budget:
             graph.released = True
+            _DROPPED_BY_CALLER.update(graph.parameters)
             graph.ask(
                 f"the caller dropped {format_bytes(released)} of its outputs before backward (as `model(x).loss` does)",
                 release_outputs=True,
@@ -1042,6 +1090,7 @@ def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
     if plan.output_bytes - alive < REPLAN_MIN_SHARE * max(1, plan.predicted_peak):
         return
     graph.released = True
+    _DROPPED_BY_CALLER.update(graph.parameters)
     peak = plan.released_peak
     if graph.returned_peak is not None:  # this backward also adds the gradients into existing .grad
         graph.returned_peak, peak = plan.released_peak, plan.released_accumulating_peak

@@ -139,3 +139,57 @@ def test_chunking_asked_for_a_dynamic_graph_without_a_budget_warns_and_keeps_the
     loss.backward()
     compare(ref, ref_loss, model, loss)
     assert not fxremat.plans()[-1].chunked
+
+
+def _budget_between(base) -> int:
+    """Halfway between the least and the fastest plan at the longest length, the logits alive."""
+    longest = _ids(max(LENGTHS))
+    least = fxremat.explain(base, longest, inner="eager", budget=1, on_infeasible="min").predicted_peak
+    fastest = fxremat.explain(base, longest, inner="eager", time_slack=0).predicted_peak
+    return (least + fastest) // 2
+
+
+def test_a_new_length_of_a_model_whose_caller_drops_the_logits_is_planned_so_at_once():
+    """Under a budget each length is planned on its own; once one length's step showed the caller drops
+    the logits (`.loss`), a new length is planned for that from its first compile, not planned with
+    them alive and again at its next call."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    budget = _budget_between(base)
+    model = copy.deepcopy(base)
+    compiled = _compile(model, inner="eager", budget=budget)
+    for rep in range(2):
+        for length in LENGTHS[:3]:
+            ids = _ids(length)
+            model.zero_grad(set_to_none=True)
+            loss = compiled(ids)[0]  # the logits dropped before the backward
+            loss.backward()
+            if rep == 1:
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    compiled(ids)[0].backward()
+
+                measured = fxremat.measure(step, reps=1, warmup=1)
+                assert measured.peak_bytes <= budget, (length, measured.peak_bytes, budget)
+    plans = fxremat.plans()
+    # The first length planned with the logits alive, then again once dropped; the others once, dropped.
+    assert len(plans) == 4, [(p.graph, p.note) for p in plans]
+    assert [p.predicted_peak == p.released_peak for p in plans] == [False, True, True, True]
+
+
+def test_a_caller_that_keeps_them_at_a_new_length_is_warned_and_planned_again():
+    torch.manual_seed(0)
+    base = TinyLM()
+    budget = _budget_between(base)
+    compiled = _compile(copy.deepcopy(base), inner="eager", budget=budget)
+    compiled(_ids(16))[0].backward()  # dropped: seen
+    loss, logits = compiled(_ids(24))  # a new length, planned as dropped; this caller keeps them
+    with pytest.warns(UserWarning, match="keeps .* of outputs alive through the backward"):
+        loss.backward()
+    del logits
+    before = len(fxremat.plans())
+    loss, logits = compiled(_ids(24))
+    loss.backward()
+    assert len(fxremat.plans()) == before + 1  # planned again with them alive
+    assert fxremat.plans()[-1].predicted_peak != fxremat.plans()[-1].released_peak
