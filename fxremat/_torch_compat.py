@@ -647,6 +647,12 @@ def compile_context_now():
     return again
 
 
+# The names of Dynamo's size controls fxremat's messages tell users to use or change (private modules).
+MARK_DYNAMIC = "torch._dynamo.mark_dynamic"
+MAYBE_MARK_DYNAMIC = "torch._dynamo.maybe_mark_dynamic"
+RECOMPILE_LIMIT = "torch._dynamo.config.recompile_limit"
+
+
 # torch._dynamo.mark_dynamic records the dimensions on the tensor itself, in a private attribute.
 def marked_dynamic(t: torch.Tensor) -> set[int]:
     """The dimensions of ``t`` marked with ``torch._dynamo.mark_dynamic`` (not ``maybe_mark_dynamic``):

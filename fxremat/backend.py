@@ -21,6 +21,9 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ._torch_compat import (
+    MARK_DYNAMIC,
+    MAYBE_MARK_DYNAMIC,
+    RECOMPILE_LIMIT,
     SUPPORTED_TORCH,
     BoxedCodeGen,
     CustomPartitionerFn,
@@ -44,6 +47,7 @@ from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
 from .compile_scope import Vetoed, remembering
 from .conv_layout import channels_last_pays
+from .passes.problem import symbolic_sizes
 from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
@@ -237,31 +241,23 @@ def fixing_sizes(gm: fx.GraphModule, example_inputs) -> None:
     (Dynamo guards the graph to them). With no budget nothing is fixed: one plan, made at
     the first dynamic sizes, runs every length, as plain ``torch.compile`` runs its own.
 
-    Dynamo compiles one frame at most ``torch._dynamo.config.recompile_limit`` times and
-    runs it uncompiled after that, outside the plan and the budget: the last such compile
-    warns.
+    Dynamo compiles one frame at most its recompile limit times and runs it uncompiled
+    after that, outside the plan and the budget: the last such compile warns.
     """
-    sizes = [v for v in example_inputs if isinstance(v, torch.SymInt)]
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    for node in placeholders:
-        val = node.meta.get("example_value")
-        if isinstance(val, torch.Tensor):
-            sizes += [d for d in (*val.shape, *val.stride(), val.storage_offset()) if isinstance(d, torch.SymInt)]
-        elif isinstance(val, torch.SymInt):
-            sizes.append(val)
+    sizes = symbolic_sizes(gm, "example_value")
     if not sizes:
         return
     marked = [
         (str(node.target), sorted(marked_dynamic(v)))
-        for node, v in zip(placeholders, example_inputs)
+        for node, v in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
         if isinstance(v, torch.Tensor) and marked_dynamic(v)
     ]
     if marked:
         where = "; ".join(f"{name}, dimensions {dims}" for name, dims in marked)
         raise ValueError(
-            f"fxremat: sizes marked dynamic with torch._dynamo.mark_dynamic ({where}), but under a budget fxremat "
+            f"fxremat: sizes marked dynamic with {MARK_DYNAMIC} ({where}), but under a budget fxremat "
             "plans a graph for its sizes (a plan's peak grows with them) and compiles each new size on its own. "
-            "Use torch._dynamo.maybe_mark_dynamic, or drop the budget to plan once for any size"
+            f"Use {MAYBE_MARK_DYNAMIC}, or drop the budget to plan once for any size"
         )
     for size in sizes:
         guard_int(size)
@@ -269,7 +265,7 @@ def fixing_sizes(gm: fx.GraphModule, example_inputs) -> None:
     if compiles is not None and compiles[0] >= compiles[1]:
         warnings.warn(
             f"fxremat: under a budget each new input size is planned and compiled on its own, and this is "
-            f"compile {compiles[0]} of this function, the most Dynamo makes (torch._dynamo.config.recompile_limit "
+            f"compile {compiles[0]} of this function, the most Dynamo makes ({RECOMPILE_LIMIT} "
             f"= {compiles[1]}): inputs of a size not seen yet will run uncompiled, outside the budget. Pad inputs "
             "to a few sizes (e.g. a tokenizer's pad_to_multiple_of), or raise the limit",
             stacklevel=2,

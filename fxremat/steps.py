@@ -719,14 +719,7 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         # backward: planned for that at once (one compile instead of two), checked at the first backward.
         dropped = dataclasses.replace(options, release_outputs=True)
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
-        graph.assumed_released = graph.released = True
-        if graph.plan is not None:
-            log.info(
-                "fxremat %s: planned with its outputs dropped before the backward, as the caller of another "
-                "graph of this model drops them; checked at the first backward",
-                graph.plan.graph,
-            )
-        return dropped
+        return _planned_released(graph, options, "the caller of another graph of this model drops its outputs")
     try:
         first = dataclasses.replace(options, on_infeasible="error")
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, first)
@@ -748,7 +741,11 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         except BudgetError as exc:
             released_least = exc.least_peak
         else:
-            return _planned_released(graph, options, held_error.least_peak)
+            why = (
+                f"with its outputs alive through the backward the least peak is {format_bytes(held_error.least_peak)}, "
+                "over the budget"
+            )
+            return _planned_released(graph, options, why, logging.WARNING)
     if options.on_infeasible == "error":
         # What planning with the user's options raises, saying what other callers would need.
         error = _with_released(held_error, outputs, released_least)
@@ -807,16 +804,17 @@ def _output_bytes(gm: torch.fx.GraphModule) -> int:
     return sum(v.untyped_storage().nbytes() for v in _output_values(gm) if isinstance(v, torch.Tensor))
 
 
-def _planned_released(graph: TrackedGraph, options: Options, held_least: int) -> Options:
-    """Mark ``graph`` as planned for callers that drop its outputs before the backward (checked there)."""
+def _planned_released(graph: TrackedGraph, options: Options, why: str, level: int = logging.INFO) -> Options:
+    """Mark ``graph`` as planned for callers that drop its outputs before the backward (checked there),
+    saying ``why`` at ``level``."""
     graph.assumed_released = graph.released = True
     if graph.plan is not None:
-        log.warning(
-            "fxremat %s: with its outputs alive through the backward the least peak is %s, over the budget; "
-            "planned for callers that drop them before backward (as `model(x).loss` does), checked at the "
-            "first backward",
+        log.log(
+            level,
+            "fxremat %s: %s; planned for callers that drop them before backward (as `model(x).loss` does), "
+            "checked at the first backward",
             graph.plan.graph,
-            format_bytes(held_least),
+            why,
         )
     return dataclasses.replace(options, release_outputs=True)
 

@@ -51,7 +51,7 @@ from .._torch_compat import FakeTensor, compiler_config_digest, inductor_program
 from .forked import Child, fork_call, workers
 from .hand_over import GRAD_INPUT
 from .invariants import outputs_of, storage_of
-from .opinfo import size_hint
+from .opinfo import size_hint, strides_hint
 from .problem import is_tangent
 from .simulate import seed_gradient_bytes
 
@@ -250,7 +250,7 @@ def arrival_strides(fw_events: list[tuple], fw: fx.GraphModule, bw: fx.GraphModu
             stride is not None
             and len(stride) == val.dim()
             and val.layout == torch.strided
-            and _strides_hint(val) != stride
+            and strides_hint(val) != stride
         ):
             strides[j] = stride
     return strides
@@ -265,14 +265,9 @@ def restrided_gradient_bytes(bw_events: list[tuple], bw: fx.GraphModule) -> list
     sizes = []
     for node, stride in zip(outputs_of(bw), returned):
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if isinstance(val, torch.Tensor) and stride is not None and _strides_hint(val) != stride:
+        if isinstance(val, torch.Tensor) and stride is not None and strides_hint(val) != stride:
             sizes.append(size_hint(val.numel()) * val.element_size())
     return sizes
-
-
-def _strides_hint(val: torch.Tensor) -> tuple[int, ...]:
-    """``val``'s strides at the size hints (the program's events give them so), read without a guard."""
-    return tuple(size_hint(s) for s in val.stride())
 
 
 def _user_outputs(fw: fx.GraphModule, num_fwd_outputs: int, caller: set) -> dict[object, int]:

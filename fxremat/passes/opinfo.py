@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "size_hint",
+    "strides_hint",
     "tensors_of",
     "nbytes_hint",
     "numel_hint",
@@ -42,6 +43,11 @@ def size_hint(x) -> int:
         3
     """
     return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else int(x)
+
+
+def strides_hint(t: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides as ints, symbolic ones at their hints (read without a guard)."""
+    return tuple(size_hint(s) for s in t.stride())
 
 
 def tensors_of(value) -> list[torch.Tensor]:

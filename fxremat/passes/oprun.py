@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import FakeTensorMode, disable_current_modes, is_op_overload
-from .opinfo import size_hint
+from .opinfo import size_hint, strides_hint
 
 __all__ = [
     "MAX_STANDALONE_BYTES",
@@ -48,7 +48,7 @@ def materialize(val: torch.Tensor, stride: tuple[int, ...] | None = None) -> tor
     division); integers and bools are zeros (valid indices).
     """
     shape = [size_hint(s) for s in val.shape]
-    strides = list(stride) if stride is not None else [size_hint(s) for s in val.stride()]
+    strides = list(stride) if stride is not None else list(strides_hint(val))
     # Fill the backing storage, then view it: expanded (stride 0) tensors cannot be written.
     extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
     flat = torch.empty(extent, dtype=val.dtype, device=val.device)
@@ -70,7 +70,7 @@ def op_signature(node: fx.Node) -> tuple:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(size_hint(s) for s in v.shape), tuple(size_hint(s) for s in v.stride()), v.dtype)
+                return ("T", tuple(size_hint(s) for s in v.shape), strides_hint(v), v.dtype)
             return ("V", repr(v))
         return ("C", repr(a))
 

@@ -29,6 +29,7 @@ __all__ = [
     "never_recompute_reason",
     "saved_nodes",
     "specialize_sizes",
+    "symbolic_sizes",
 ]
 
 
@@ -288,6 +289,19 @@ def saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
     return graph_inputs + [pg.nodes[i] for i in decision.kept]
 
 
+def symbolic_sizes(gm: fx.GraphModule, key: str = "val") -> list[torch.SymInt]:
+    """Every symbolic size, stride and storage offset of ``gm``'s inputs (``meta[key]``: "val" in
+    AOTAutograd's graphs, "example_value" in Dynamo's), and its symbolic-int inputs."""
+    sizes: list[torch.SymInt] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get(key)
+        if isinstance(val, torch.Tensor):
+            sizes += [d for d in (*val.shape, *val.stride(), val.storage_offset()) if isinstance(d, torch.SymInt)]
+        elif isinstance(val, torch.SymInt):
+            sizes.append(val)
+    return sizes
+
+
 def specialize_sizes(joint: fx.GraphModule) -> None:
     """Guard every symbolic size of the joint graph's inputs to its current value.
 
@@ -298,9 +312,5 @@ def specialize_sizes(joint: fx.GraphModule) -> None:
     (``backend.fixing_sizes``: the loss sites too); this covers the partitioner
     called on its own, where it is then a no-op.
     """
-    for node in joint.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for size in val.shape:
-                if isinstance(size, torch.SymInt):
-                    guard_int(size)
+    for size in symbolic_sizes(joint):
+        guard_int(size)

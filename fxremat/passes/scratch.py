@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .._torch_compat import EventType, op_schema, profiler_is_enabled
 from ..quiet import quiet_stderr
-from .opinfo import is_op_call, nbytes_hint, size_hint
+from .opinfo import is_op_call, nbytes_hint, size_hint, strides_hint
 from .oprun import MAX_STANDALONE_BYTES, OpCall, node_of_call, op_signature, real_tensors, standalone_call
 
 __all__ = ["measure_scratch", "ScratchAt"]
@@ -111,7 +111,7 @@ def _channels_last(node: fx.Node) -> Strides | None:
 def _strides(node: fx.Node, layout: Strides) -> tuple:
     """The strides of ``node``'s tensor inputs (one tuple each, in order) with ``layout`` applied."""
     inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    return tuple(layout.get(a) or tuple(size_hint(st) for st in a.meta["val"].stride()) for a in inputs)
+    return tuple(layout.get(a) or strides_hint(a.meta["val"]) for a in inputs)
 
 
 def _known_key(signature: tuple, strides: tuple | None, node: fx.Node) -> tuple:
@@ -251,7 +251,7 @@ class ScratchAt:
             return None
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         try:
-            own = tuple(tuple(size_hint(s) for s in a.meta["val"].stride()) for a in inputs)
+            own = tuple(strides_hint(a.meta["val"]) for a in inputs)
         except Exception:  # noqa: BLE001 - a size without a hint: keep the measurement made at graph strides
             return None
         if len(strides) != len(inputs) or tuple(map(tuple, strides)) == own or any(s is None for s in strides):
