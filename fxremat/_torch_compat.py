@@ -8,6 +8,7 @@ checks it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -148,7 +149,11 @@ class _PlannedProgram(CustomPartitionerFn):
         raise RuntimeError("fxremat: _PlannedProgram only keys Inductor's FX graph cache; it partitions nothing")
 
     def uuid(self) -> str:
-        return "fxremat: a planned program, whose forward returns the inputs it saves as given"
+        # Part of the cache key: the fusion rule fxremat compiles under (``fusion_memory_at_hints``) too.
+        return (
+            "fxremat: a planned program, whose forward returns the inputs it saves as given, fused with "
+            "symbolic sizes at their hints"
+        )
 
 
 def keyed_by_program():
@@ -344,6 +349,79 @@ def returning_inputs_as_given(gm: torch.fx.GraphModule) -> None:
     out.meta["user_visible_output_idxs"] = sorted(visible)
 
 
+# Inductor's fusion heuristic for peak memory (Scheduler.can_fusion_increase_peak_memory, private)
+# gives up on a buffer of symbolic size and fuses: a dynamic graph's chunked loss then made two chunks'
+# logits at once (torch 2.13: ``int()`` of the size fails, "Fallback is to fuse").
+@contextlib.contextmanager
+def fusion_memory_at_hints():
+    """Inside the block, Inductor's "can this fusion raise the peak" asks symbolic sizes at their hints.
+
+    Where every size is an int the answer is Inductor's own; where one is symbolic, Inductor
+    fuses unconditionally and this asks the same question (the single-user inputs both kernels
+    read, which the fusion keeps alive, against 32 times the memory traffic it saves) at the hints.
+    """
+    from torch._inductor.codegen.wrapper import buffer_reuse_key
+    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.virtualized import V
+
+    own = Scheduler.can_fusion_increase_peak_memory
+
+    def single_user_inputs(scheduler, node) -> list:
+        found = []
+        for dep in node.read_writes.reads:
+            buf = scheduler.name_to_buf.get(dep.name)
+            if buf and len(buf.users) == 1 and buf.node.has_tensor_output():
+                found.append(buf.node)
+        return found
+
+    def symbolic(scheduler) -> bool:
+        """Whether the graph being scheduled has an input of symbolic size (asked once per scheduler)."""
+        known = getattr(scheduler, "_fxremat_symbolic", None)
+        if known is None:
+            known = any(
+                getattr(size, "free_symbols", None)
+                for value in V.graph.graph_inputs.values()
+                if hasattr(value, "get_size")
+                for size in value.get_size()
+            )
+            scheduler._fxremat_symbolic = known
+        return known
+
+    def at_hints(self, node1, node2) -> bool:
+        if own(self, node1, node2):
+            return True
+        if not symbolic(self):
+            return False
+        left = {buffer_reuse_key(buf): buf for buf in single_user_inputs(self, node1)}
+        right = {buffer_reuse_key(buf) for buf in single_user_inputs(self, node2)}
+        common = [buf for key, buf in left.items() if key in right]
+        if all(str(key[2]).isdigit() for key in left if key in right):
+            return False  # every size an int: Inductor's own answer stands
+        overhead = sum(
+            int(V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf), fallback=0))
+            for buf in common
+        )
+        return overhead > 32 * int(
+            V.graph.sizevars.optimization_hint(self.score_fusion_memory(node1, node2), fallback=0)
+        )
+
+    Scheduler.can_fusion_increase_peak_memory = at_hints  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Scheduler.can_fusion_increase_peak_memory = own  # type: ignore[method-assign]
+
+
+def fusing_at_hints(compile_inner: Callable) -> Callable:
+    """``compile_inner`` run inside ``fusion_memory_at_hints`` (a lazily compiled backward too)."""
+
+    def compile_at_hints(*args, **kwargs):
+        with fusion_memory_at_hints():
+            return compile_inner(*args, **kwargs)
+
+    return compile_at_hints
+
+
 def inductor_program_events(
     gm: torch.fx.GraphModule,
     *,
@@ -457,7 +535,13 @@ def inductor_program_events(
 
     # `cpp.simdlen = 1` matches no vector ISA, so the C++ backend writes scalar kernels only.
     scalar = {} if vectorized else {"cpp.simdlen": 1}
-    with DebugContext(), V.set_fake_mode(fake_mode), torch.no_grad(), inductor_config.patch(scalar):
+    with (
+        DebugContext(),
+        V.set_fake_mode(fake_mode),
+        torch.no_grad(),
+        inductor_config.patch(scalar),
+        fusion_memory_at_hints(),
+    ):
         compile_fx._recursive_post_grad_passes(gm, is_inference=False)
         graph = inductor_graph_lowering(
             gm, example_inputs=vals, shape_env=fake_mode.shape_env, is_inference=False, is_backward=is_backward

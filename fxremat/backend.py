@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ._torch_compat import (
     MARK_DYNAMIC,
@@ -31,6 +30,7 @@ from ._torch_compat import (
     compile_fx,
     copy_dynamo_graph,
     frame_compiles,
+    fusing_at_hints,
     keyed_by_program,
     marked_dynamic,
     min_cut_partition,
@@ -47,7 +47,7 @@ from .passes.chunk_loss import ChunkNote, noting
 from .plan_cache import source_digest
 from .compile_scope import Vetoed, remembering
 from .conv_layout import channels_last_pays
-from .passes.problem import symbolic_sizes
+from .passes.sizes import CAPPED, bound_sizes, cappable, fix_sizes, symbolic_sizes
 from .planner import partition, watch
 from .steps import TrackedGraph, track
 from .verify import input_names, verified
@@ -153,12 +153,26 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     dry = program_compiler is not None
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
-        if options.budget is not None:
-            fixing_sizes(gm, example_inputs)
-        # The first plans of a graph (budget refused, then the outputs dropped or the least plan;
-        # the loss whole, then chunked) share what they found (compile_scope.remembering).
+        sizes = fixing_sizes(gm, example_inputs) if options.budget is not None else None
+        # A budget a plan capped at these sizes cannot meet may still be met at these sizes alone:
+        # Inductor's program for symbolic sizes can hold more at once (its schedule differs).
+        fixed = copy_dynamo_graph(gm) if sizes == CAPPED and options.on_infeasible == "error" else None
+        try:
+            # The first plans of a graph (budget refused, then the outputs dropped or the least plan;
+            # the loss whole, then chunked) share what they found (compile_scope.remembering).
+            with remembering():
+                return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
+        except BudgetError as exc:
+            if fixed is None:
+                raise
+            log.info(
+                "fxremat: no plan for sizes up to these fits the budget (least %s): planning these sizes alone, "
+                "each new size compiles on its own",
+                format_bytes(exc.least_peak),
+            )
+        fix_sizes(fixed, "example_value")
         with remembering():
-            return track(gm, example_inputs, options, compile_planned, caller_room=not dry)
+            return track(fixed, example_inputs, options, compile_planned, caller_room=not dry)
 
     def compile_planned(gm: fx.GraphModule, example_inputs, options: Options):
         """(the compiled graph, the plan made for it, or None when there was nothing to plan)."""
@@ -225,51 +239,58 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             # Buffer reuse holds a dead buffer until a later allocation of its size takes it:
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.
             patches["allow_buffer_reuse"] = False
-        inner = handing_over(program_compiler or _keyed_by_program(compile_fx.compile_fx_inner))
+        inner = fusing_at_hints(handing_over(program_compiler or _keyed_by_program(compile_fx.compile_fx_inner)))
         with no_autograd_cache():
             return compile_fx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile_graph
 
 
-def fixing_sizes(gm: fx.GraphModule, example_inputs) -> None:
-    """Under a budget, fix the sizes of a graph Dynamo traced with symbolic ones to the sizes it came with.
+def fixing_sizes(gm: fx.GraphModule, example_inputs) -> str | None:
+    """Under a budget, guard the sizes of a graph Dynamo traced with symbolic ones for a plan made at them.
 
     A budget is a promise about each step that runs, and a plan's peak grows with its
     sizes: a graph Dynamo made dynamic (a second sequence length, ``dynamic=True``) is
-    planned for the sizes it was compiled at, and each new size compiles and plans again
-    (Dynamo guards the graph to them). With no budget nothing is fixed: one plan, made at
-    the first dynamic sizes, runs every length, as plain ``torch.compile`` runs its own.
+    planned at the sizes it came with and capped at them where every tensor grows with
+    them (``passes/sizes.py``): it runs every size up to them, and a larger one compiles
+    and plans again. Where a tensor could fall as a size grows the sizes are fixed: each
+    new size compiles on its own. With no budget nothing is guarded: one plan, made at the
+    first dynamic sizes, runs every length, as plain ``torch.compile`` runs its own.
 
     Dynamo compiles one frame at most its recompile limit times and runs it uncompiled
     after that, outside the plan and the budget: the last such compile warns.
+
+    Returns:
+        ``sizes.CAPPED``, ``sizes.FIXED``, or None when no size is symbolic.
     """
-    sizes = symbolic_sizes(gm, "example_value")
-    if not sizes:
-        return
+    if not symbolic_sizes(gm, "example_value"):
+        return None
+    capped = cappable(gm, "example_value")
     marked = [
         (str(node.target), sorted(marked_dynamic(v)))
         for node, v in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
         if isinstance(v, torch.Tensor) and marked_dynamic(v)
     ]
-    if marked:
+    if marked and not capped:
         where = "; ".join(f"{name}, dimensions {dims}" for name, dims in marked)
         raise ValueError(
             f"fxremat: sizes marked dynamic with {MARK_DYNAMIC} ({where}), but under a budget fxremat "
-            "plans a graph for its sizes (a plan's peak grows with them) and compiles each new size on its own. "
-            f"Use {MAYBE_MARK_DYNAMIC}, or drop the budget to plan once for any size"
+            "plans this graph for its sizes (a plan's peak changes with them, and some tensor of the graph does "
+            f"not grow with them) and compiles each new size on its own. Use {MAYBE_MARK_DYNAMIC}, or drop the "
+            "budget to plan once for any size"
         )
-    for size in sizes:
-        guard_int(size)
+    sizes = bound_sizes(gm, "example_value")
     compiles = frame_compiles()
     if compiles is not None and compiles[0] >= compiles[1]:
+        which = "larger than any compiled so far" if capped else "not seen yet"
         warnings.warn(
-            f"fxremat: under a budget each new input size is planned and compiled on its own, and this is "
+            f"fxremat: under a budget a new input size is planned and compiled on its own, and this is "
             f"compile {compiles[0]} of this function, the most Dynamo makes ({RECOMPILE_LIMIT} "
-            f"= {compiles[1]}): inputs of a size not seen yet will run uncompiled, outside the budget. Pad inputs "
+            f"= {compiles[1]}): inputs of a size {which} will run uncompiled, outside the budget. Pad inputs "
             "to a few sizes (e.g. a tokenizer's pad_to_multiple_of), or raise the limit",
             stacklevel=2,
         )
+    return sizes
 
 
 def _compile_reference(gm: fx.GraphModule, example_inputs, options: Options):

@@ -26,7 +26,6 @@ or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradien
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable
 
 import torch.fx as fx
@@ -81,13 +80,6 @@ def compile_choosing_chunks(
     sites = find_loss_sites(gm)
     if not sites:
         return compile_one(gm, example_inputs, options, ())
-    if options.chunk_loss not in ("auto", "off") and not all(site.sized for site in sites):
-        warnings.warn(
-            f"fxremat: chunk_loss={options.chunk_loss!r}, but the graph's sizes are dynamic (Dynamo compiles it "
-            "for any length) and there is no budget, which would plan it for its sizes: its loss is computed "
-            "whole. Set a budget, or compile for fixed sizes (dynamic=False)",
-            stacklevel=2,
-        )
     if options.chunk_loss == "off":
         try:
             return compile_one(gm, example_inputs, options, ())

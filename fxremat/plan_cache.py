@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ._torch_compat import compiler_config_digest
 from .options import Options
+from .passes.opinfo import size_hint
 
 __all__ = ["enabled", "folder", "key", "load", "store", "source_digest", "FORMAT"]
 
@@ -72,10 +73,18 @@ def source_digest() -> str:
 
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"T{tuple(value.shape)}{tuple(value.stride())}{value.dtype}{value.device.type}"
+        shape, stride = (",".join(_size(d) for d in sizes) for sizes in (value.shape, value.stride()))
+        return f"T({shape})({stride}){value.dtype}{value.device.type}"
     if isinstance(value, (list, tuple)):
         return "(" + ",".join(_describe(v) for v in value) + ")"
-    return repr(value) if isinstance(value, (int, float, bool, str, type(None), torch.SymInt)) else type(value).__name__
+    if isinstance(value, torch.SymInt):
+        return _size(value)
+    return repr(value) if isinstance(value, (int, float, bool, str, type(None))) else type(value).__name__
+
+
+def _size(d) -> str:
+    """A size as written, and a symbolic one at its hint too: a dynamic graph is planned at its hints."""
+    return f"{d}={size_hint(d)}" if isinstance(d, torch.SymInt) else str(d)
 
 
 def _arg(value) -> str:

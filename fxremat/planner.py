@@ -45,7 +45,8 @@ from .passes.inductor_memory import donated_inputs, predict_step, start_lowering
 from .passes.index_put_sums import fold_sums_into_index_put
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
-from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes, specialize_sizes
+from .passes.problem import ProblemGraph, build_problem, is_tangent, saved_nodes
+from .passes.sizes import bound_sizes
 from .passes.reference import Reference, as_decision, pointwise_only
 from .passes.scratch import ScratchAt, measure_scratch
 from .passes.simulate import Simulation, simulate
@@ -345,8 +346,10 @@ def analyse(joint: fx.GraphModule, info, options: Options, num_fwd_outputs: int,
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     if options.budget is not None:
-        # A plan is checked at concrete sizes; each new size recompiles and is planned anew.
-        specialize_sizes(joint)
+        # A plan is checked at concrete sizes: a dynamic graph runs only up to them, or only at them
+        # (passes/sizes.py). The backend guarded Dynamo's graph already (backend.fixing_sizes); this
+        # covers the partitioner called on its own, and a joint graph whose backward does not grow.
+        bound_sizes(joint)
     costs = annotate(joint, get_hardware(options.hardware))
     if options.calibrate:
         costs = calibrate_costs(joint, costs)

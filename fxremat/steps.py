@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 import threading
 import warnings
 import weakref
@@ -51,6 +52,14 @@ log = logging.getLogger("fxremat")
 # (but the caller had dropped) are at least this share of the budget: below it the
 # plan would barely change and a recompile is not worth its time.
 REPLAN_MIN_SHARE = 0.01
+
+
+def _replan_bytes(budget: int, plan: Plan) -> int:
+    """Outputs worth planning a graph again for: ``REPLAN_MIN_SHARE`` of its budget, or of its predicted
+    peak when that is above the budget (a least plan: with ``budget=1`` the loss scalar alone, alive
+    through its own backward, counted as kept outputs and planned the graph again)."""
+    return math.ceil(REPLAN_MIN_SHARE * max(budget, plan.predicted_peak))
+
 
 # Under a budget, plan a graph again for steps that add their gradients into existing ``.grad``
 # when its plan for steps that make new ``.grad`` leaves more than this share of the budget
@@ -892,12 +901,12 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             _note_grads(graph, len(leaves) == len(param_refs) and all(p.grad is not None for p in leaves))
         if graph.assumed_released and options.budget is not None:
             alive = call.outputs_alive()
-            if alive >= REPLAN_MIN_SHARE * options.budget:
+            if alive >= _replan_bytes(options.budget, plan):
                 # Outputs held only by garbage reference cycles are not the caller's: collected, they are
                 # freed before the backward runs (the test suite's order once kept the logits so).
                 gc.collect()
                 alive = call.outputs_alive()
-            if alive >= REPLAN_MIN_SHARE * options.budget:
+            if alive >= _replan_bytes(options.budget, plan):
                 graph.assumed_released = False
                 _DROPPED_BY_CALLER.discard(graph.parameters)
                 warnings.warn(
@@ -921,7 +930,7 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             return
         alive = call.outputs_alive()
         released = plan.output_bytes - alive
-        if released >= REPLAN_MIN_SHARE * options.budget:
+        if released >= _replan_bytes(options.budget, plan):
             graph.released = True
             _DROPPED_BY_CALLER.update(graph.parameters)
             graph.ask(

@@ -1045,8 +1045,7 @@ def test_a_graph_planned_again_after_its_first_step_is_compiled_through_the_fx_g
     from fxremat._torch_compat import inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile finds nothing
-    torch.manual_seed(0)
-    model, x = _LossAndActivations(), torch.randn(16, 32)
+    x = torch.randn(16, 32)
     options = {"budget": 1, "on_infeasible": "min"}
     lookups = []
     with inductor_config.patch(fx_graph_cache=True), warnings.catch_warnings():
@@ -1055,7 +1054,10 @@ def test_a_graph_planned_again_after_its_first_step_is_compiled_through_the_fx_g
             torch._dynamo.reset()
             fxremat.clear_plans()
             counters.clear()
-            model.zero_grad(set_to_none=True)  # both times, the first step makes .grad
+            # A new model each time (the same weights): one whose caller was seen dropping its outputs
+            # would be planned for that at once, one plan instead of two (steps._DROPPED_BY_CALLER).
+            torch.manual_seed(0)
+            model = _LossAndActivations()
             compiled = torch.compile(model, backend="fxremat", options=options)
             for _ in range(2):  # the first step shows the outputs dropped; the second runs the re-plan
                 compiled(x)[0].backward()

@@ -99,15 +99,14 @@ class LossSite:
         hidden: the head's input (the hidden states) or, without a head, the logits input.
         weight: the head's weight node (None without a head).
         bias: the head's bias node, if any.
-        tokens: rows of the loss's input (tokens across the batch), at its size hint when ``sized`` is False.
+        tokens: rows of the loss's input (tokens across the batch), at its size hint when symbolic (a
+            graph Dynamo compiles for any length: the chunk count is chosen at the hint, and the chunks
+            shrink with the length, ``chunked_cross_entropy``).
         vocab: the vocabulary size (the loss's classes).
         logits_escape: the head's output has users other than the loss (a graph output).
         logits_to_output_only: those other users are the graph's output alone (no op in the
             graph reads the logits): the logits can leave the compiled graph without a gradient
             path through it (``reattach_head_grads``).
-        sized: its token count and vocabulary are fixed sizes. Under dynamic sizes (a graph Dynamo
-            compiles for any length, planned with no budget) they are not, and the loss is never
-            chunked: its chunks' rows would be fixed at one length.
     """
 
     loss: fx.Node
@@ -119,7 +118,6 @@ class LossSite:
     vocab: int
     logits_escape: bool
     logits_to_output_only: bool = False
-    sized: bool = True
 
     def logits_bytes(self) -> int:
         """Bytes of the loss's input in fp32: the size of each vocabulary-sized tensor it makes."""
@@ -211,12 +209,11 @@ def _site(loss: fx.Node) -> LossSite | None:
     if not isinstance(args["label_smoothing"], (int, float)):
         return None
     # Sizes read without guarding on them: a guard would fix a dynamic graph to this one length.
-    sized = _fixed(val.shape[0]) and _fixed(val.shape[1])
     tokens, vocab = size_hint(val.shape[0]), size_hint(val.shape[1])
     node = logits
     while True:
         if node.op == "placeholder":
-            return LossSite(loss, None, logits, None, None, tokens, vocab, logits_escape=False, sized=sized)
+            return LossSite(loss, None, logits, None, None, tokens, vocab, logits_escape=False)
         if node.op == "call_function" and node.target in _LINEAR:
             hidden, weight = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -232,16 +229,11 @@ def _site(loss: fx.Node) -> LossSite | None:
             outside = _outside_readers(node, loss)
             # Only the graph's output reads the head itself: the logits can leave without a gradient path.
             only_output = bool(outside) and all(n is node and user.op == "output" for n, user in outside)
-            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, bool(outside), only_output, sized)
+            return LossSite(loss, node, hidden, weight, bias, tokens, vocab, bool(outside), only_output)
         source = _row_wise(node, val.shape[1])
         if source is None:
             return None
         node = source
-
-
-def _fixed(size) -> bool:
-    """Whether ``size`` is one value (an int, or a symbolic size its graph has fixed), asked without a guard."""
-    return not isinstance(size, torch.SymInt) or statically_known_true(size == size_hint(size))
 
 
 def _rows(shape: torch.Size):
@@ -290,8 +282,6 @@ def chunk_count(site: LossSite, chunks: int | None = None, budget: int | None = 
         >>> chunk_count(site)  # 512 tokens x 128k classes: 16 (32 tokens each)
         >>> chunk_count(site, budget=4 << 30)  # 256 MiB of fp32 logits: 2 chunks of 128 MiB, each <= 4 GiB / 16
     """
-    if not site.sized:
-        return 1
     if chunks is not None:
         return max(1, min(chunks, site.tokens))
     most = max(1, min(AUTO_CHUNKS, site.tokens // MIN_ROWS_PER_CHUNK))
@@ -399,7 +389,7 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         if head is None:
             hidden: fx.Node = chain
         else:
-            hidden = graph.call_method("reshape", (site.hidden, -1, size_hint(_shape(site.hidden)[-1])))
+            hidden = graph.call_function(_token_rows, (site.hidden,))
         new = graph.call_function(
             chunked_cross_entropy,
             (hidden, site.weight, site.bias, target),
@@ -417,8 +407,7 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         if site.logits_escape:
             out = graph.call_function(operator.getitem, (new, 0))
             logits = graph.call_function(operator.getitem, (new, 1))
-            # A chunked site's sizes are fixed (``LossSite.sized``): the ints they are.
-            logits = graph.call_method("view", (logits, *(size_hint(d) for d in _shape(head))))
+            logits = graph.call_function(_shaped_as_head, (logits, site.hidden))
     out.meta = dict(loss.meta)
     loss.replace_all_uses_with(out)
     graph.erase_node(loss)
@@ -439,6 +428,16 @@ def _rewrite(gm: fx.GraphModule, site: LossSite, n: int) -> None:
         graph.erase_node(head)
     if detach:
         _leave_without_grad(gm, site, logits, logits, _unsliced(site.hidden))
+
+
+def _token_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """The head's input as ``(tokens, hidden)`` rows; its sizes as the graph has them (symbolic ones stay so)."""
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _shaped_as_head(logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``(tokens, vocab)`` logits in the head's output shape: ``hidden``'s, the last size the vocabulary."""
+    return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
 
 def _move_readers_after(graph: fx.Graph, node: fx.Node) -> None:
@@ -570,9 +569,38 @@ def chunked_cross_entropy(
     )
 
 
-def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+def _bounds(rows, chunks: int) -> list:
+    """(start, end) of each chunk of ``rows``: ``ceil(rows / chunks)`` rows each, the last the rest.
+
+    Symbolic rows (a graph compiled for any length): exactly ``chunks`` chunks, their bounds
+    clipped to the rows with ``sym_min`` rather than compared with them (a comparison would
+    guard the length to one value); a chunk past the rows is empty.
+    """
+    if isinstance(rows, torch.SymInt):
+        size = _chunk_rows(rows, chunks)
+        return [(torch.sym_min(i * size, rows), torch.sym_min((i + 1) * size, rows)) for i in range(chunks)]
     size = -(-rows // chunks)
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def _chunk_rows(rows, chunks: int):
+    """Rows of the largest chunk, ``ceil(rows / chunks)``; symbolic rows keep it symbolic."""
+    return (rows + chunks - 1) // chunks
+
+
+def _rows_of(t: torch.Tensor, start, end, pad_to=None) -> torch.Tensor:
+    """Rows ``start:end`` of ``t``; with ``pad_to``, padded with zeros (False) to that many rows.
+
+    Under symbolic sizes each chunk is padded to the largest chunk's rows: every tensor the loss
+    allocates is then as large as the length's largest chunk, and grows with the length
+    (``passes/sizes.py`` caps a graph's sizes only where every tensor does; a clipped chunk's
+    own rows do not: the last chunk can be shorter at a longer length). The padded rows are
+    counted as ignored.
+    """
+    rows = t[start:end]
+    if pad_to is None:
+        return rows
+    return F.pad(rows, (0, 0) * (t.dim() - 1) + (0, pad_to - (end - start)))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -585,20 +613,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         safe = torch.where(valid, target, 0)
         logits = F.linear(hidden, weight, bias) if return_logits else None
+        # Symbolic rows: every chunk padded to the largest one's rows (_rows_of).
+        pad_to = _chunk_rows(rows, chunks) if isinstance(rows, torch.SymInt) else None
         total = None
         lses = []
         for start, end in _bounds(rows, chunks):
-            z = _chunk_logits(hidden, weight, bias, logits, start, end).float()
+            z = _chunk_logits(hidden, weight, bias, logits, start, end, pad_to).float()
             lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(1, safe[start:end].unsqueeze(1)).squeeze(1)
+            picked = z.gather(1, _rows_of(safe, start, end, pad_to).unsqueeze(1)).squeeze(1)
             row_loss = lse - picked
             if smoothing:
                 row_loss = (1.0 - smoothing) * row_loss + smoothing * (lse - z.mean(dim=-1))
-            part = torch.where(valid[start:end], row_loss, 0.0).sum()
+            part = torch.where(_rows_of(valid, start, end, pad_to), row_loss, 0.0).sum()
             total = part if total is None else total + part
             lses.append(lse)
         assert total is not None
         lse_all = torch.cat(lses)
+        if pad_to is not None:
+            lse_all = lse_all[:rows]
         count = valid.sum()
         loss = total / count if reduction == "mean" else total
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse_all, count)
@@ -617,6 +649,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / count if reduction == "mean" else grad_loss.float()
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+        if weight is None and isinstance(hidden.shape[0], torch.SymInt):
+            # The logits' gradient a slice of the vocabulary at a time: chunks of rows would be clipped
+            # to the length (_rows_of), a slice of classes is as long as the rows.
+            columns = []
+            for start, end in _bounds(vocab, chunks):
+                g = _logits_grad(hidden[:, start:end], lse_all, safe, row_scale, start, smoothing, vocab)
+                if grad_logits is not None:
+                    g = g + grad_logits[:, start:end]
+                columns.append(g.to(hidden.dtype))
+            return torch.cat(columns, dim=1), None, None, *(None,) * 8
         if weight is None:
             # The loss's input is the logits: its gradient is the output, made a chunk of rows at a time.
             rows = []
@@ -663,13 +705,14 @@ def _logits_grad(z, lse, safe, row_scale, first_class, smoothing, vocab):
     return (g - (1.0 - smoothing) * hit) * row_scale
 
 
-def _chunk_logits(hidden, weight, bias, logits, start, end):
-    """The logits of rows ``start:end``, in the head's dtype."""
+def _chunk_logits(hidden, weight, bias, logits, start, end, pad_to=None):
+    """The logits of rows ``start:end``, in the head's dtype; with ``pad_to``, padded to that many rows
+    (``_rows_of``; the head's input is padded before its matmul)."""
     if logits is not None:
-        return logits[start:end]
+        return _rows_of(logits, start, end, pad_to)
     if weight is None:
-        return hidden[start:end]
-    return F.linear(hidden[start:end], weight, bias)
+        return _rows_of(hidden, start, end, pad_to)
+    return F.linear(_rows_of(hidden, start, end, pad_to), weight, bias)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._torch_compat import is_sym_node, op_schema
@@ -28,8 +27,6 @@ __all__ = [
     "is_tangent",
     "never_recompute_reason",
     "saved_nodes",
-    "specialize_sizes",
-    "symbolic_sizes",
 ]
 
 
@@ -287,30 +284,3 @@ def saved_nodes(pg: ProblemGraph, decision: Decision) -> list[fx.Node]:
     inputs = {a for n in readers for a in n.all_input_nodes if a.op == "placeholder" and not is_tangent(a)}
     graph_inputs = [n for n in pg.nodes[0].graph.nodes if n in inputs]
     return graph_inputs + [pg.nodes[i] for i in decision.kept]
-
-
-def symbolic_sizes(gm: fx.GraphModule, key: str = "val") -> list[torch.SymInt]:
-    """Every symbolic size, stride and storage offset of ``gm``'s inputs (``meta[key]``: "val" in
-    AOTAutograd's graphs, "example_value" in Dynamo's), and its symbolic-int inputs."""
-    sizes: list[torch.SymInt] = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get(key)
-        if isinstance(val, torch.Tensor):
-            sizes += [d for d in (*val.shape, *val.stride(), val.storage_offset()) if isinstance(d, torch.SymInt)]
-        elif isinstance(val, torch.SymInt):
-            sizes.append(val)
-    return sizes
-
-
-def specialize_sizes(joint: fx.GraphModule) -> None:
-    """Guard every symbolic size of the joint graph's inputs to its current value.
-
-    A plan is checked against the budget at concrete sizes; a longer sequence
-    would peak higher. With a budget, each new size therefore recompiles and
-    is planned anew (Dynamo's recompile limit then bounds how many sizes compile).
-    The backend fixes Dynamo's graph's sizes before anything reads them
-    (``backend.fixing_sizes``: the loss sites too); this covers the partitioner
-    called on its own, where it is then a no-op.
-    """
-    for size in symbolic_sizes(joint):
-        guard_int(size)
