@@ -365,6 +365,9 @@ def fusion_memory_at_hints():
     from torch._inductor.virtualized import V
 
     own = Scheduler.can_fusion_increase_peak_memory
+    if getattr(own, "at_hints", False):
+        yield  # already inside (a dry lowering within a compile): one layer asks
+        return
 
     def single_user_inputs(scheduler, node) -> list:
         found = []
@@ -394,17 +397,18 @@ def fusion_memory_at_hints():
             return False
         left = {buffer_reuse_key(buf): buf for buf in single_user_inputs(self, node1)}
         right = {buffer_reuse_key(buf) for buf in single_user_inputs(self, node2)}
-        common = [buf for key, buf in left.items() if key in right]
-        if all(str(key[2]).isdigit() for key in left if key in right):
+        common = {key: buf for key, buf in left.items() if key in right}
+        if all(str(key[2]).isdigit() for key in common):
             return False  # every size an int: Inductor's own answer stands
         overhead = sum(
             int(V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf), fallback=0))
-            for buf in common
+            for buf in common.values()
         )
         return overhead > 32 * int(
             V.graph.sizevars.optimization_hint(self.score_fusion_memory(node1, node2), fallback=0)
         )
 
+    at_hints.at_hints = True  # type: ignore[attr-defined]
     Scheduler.can_fusion_increase_peak_memory = at_hints  # type: ignore[method-assign]
     try:
         yield

@@ -279,7 +279,7 @@ def fixing_sizes(gm: fx.GraphModule, example_inputs) -> str | None:
             f"not grow with them) and compiles each new size on its own. Use {MAYBE_MARK_DYNAMIC}, or drop the "
             "budget to plan once for any size"
         )
-    sizes = bound_sizes(gm, "example_value")
+    sizes = bound_sizes(gm, "example_value", capped)
     compiles = frame_compiles()
     if compiles is not None and compiles[0] >= compiles[1]:
         which = "larger than any compiled so far" if capped else "not seen yet"

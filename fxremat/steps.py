@@ -54,11 +54,12 @@ log = logging.getLogger("fxremat")
 REPLAN_MIN_SHARE = 0.01
 
 
-def _replan_bytes(budget: int, plan: Plan) -> int:
-    """Outputs worth planning a graph again for: ``REPLAN_MIN_SHARE`` of its budget, or of its predicted
-    peak when that is above the budget (a least plan: with ``budget=1`` the loss scalar alone, alive
-    through its own backward, counted as kept outputs and planned the graph again)."""
-    return math.ceil(REPLAN_MIN_SHARE * max(budget, plan.predicted_peak))
+def _replan_bytes(budget: int | None, plan: Plan) -> int:
+    """Outputs worth planning a graph again for (or, with no budget, reporting it again): ``REPLAN_MIN_SHARE``
+    of its budget, or of its predicted peak when that is above the budget (a least plan: with ``budget=1``
+    the loss scalar alone, alive through its own backward, counted as kept outputs and planned the graph
+    again)."""
+    return math.ceil(REPLAN_MIN_SHARE * max(budget or 1, plan.predicted_peak))
 
 
 # Under a budget, plan a graph again for steps that add their gradients into existing ``.grad``
@@ -1094,7 +1095,7 @@ def _note_released(graph: TrackedGraph, plan: Plan, call: _Call) -> None:
     programs replayed with the outputs freed when the backward starts).
     """
     alive = call.outputs_alive()
-    if plan.output_bytes - alive < REPLAN_MIN_SHARE * max(1, plan.predicted_peak):
+    if plan.output_bytes - alive < _replan_bytes(None, plan):
         return
     graph.released = True
     _DROPPED_BY_CALLER.update(graph.parameters)

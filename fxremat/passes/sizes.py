@@ -51,16 +51,6 @@ def _free(d) -> bool:
     return isinstance(d, torch.SymInt) and bool(d.node.expr.free_symbols)
 
 
-def _shape_sizes(gm: fx.GraphModule, key: str) -> list[torch.SymInt]:
-    """The symbolic sizes of ``gm``'s tensor inputs' shapes (not strides, offsets or integer inputs)."""
-    sizes: list[torch.SymInt] = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get(key)
-        if isinstance(val, torch.Tensor):
-            sizes += [d for d in val.shape if isinstance(d, torch.SymInt)]  # type: ignore[misc]
-    return sizes
-
-
 def _grows(expr: sympy.Expr) -> bool:
     """Whether ``expr``, a size in positive symbols, never falls as any of them grows (a sufficient test).
 
@@ -121,11 +111,13 @@ def grows_with_sizes(gm: fx.GraphModule, key: str = "val") -> bool:
 
 
 def _bare_sizes(gm: fx.GraphModule, key: str) -> dict[sympy.Symbol, torch.SymInt]:
-    """Each symbol that is, alone, a size of one of ``gm``'s tensor inputs: the first such size."""
+    """Each symbol that is, alone, a size of one of ``gm``'s tensor inputs' shapes: the first such size."""
     bare: dict[sympy.Symbol, torch.SymInt] = {}
-    for d in _shape_sizes(gm, key):
-        if isinstance(d.node.expr, sympy.Symbol):
-            bare.setdefault(d.node.expr, d)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get(key)
+        for d in val.shape if isinstance(val, torch.Tensor) else ():
+            if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+                bare.setdefault(d.node.expr, d)
     return bare
 
 
@@ -137,7 +129,7 @@ def cappable(gm: fx.GraphModule, key: str = "val") -> bool:
     return symbols <= _bare_sizes(gm, key).keys() and grows_with_sizes(gm, key)
 
 
-def bound_sizes(gm: fx.GraphModule, key: str = "val") -> str | None:
+def bound_sizes(gm: fx.GraphModule, key: str = "val", capped: bool | None = None) -> str | None:
     """Guard ``gm``'s symbolic sizes for a plan made at their current values: capped, else fixed.
 
     Capped (each input size at most its current value) where ``cappable``; else every
@@ -146,6 +138,7 @@ def bound_sizes(gm: fx.GraphModule, key: str = "val") -> str | None:
     Args:
         gm: Dynamo's graph (``key="example_value"``) or AOTAutograd's (``key="val"``).
         key: the node meta holding each node's value.
+        capped: ``cappable(gm, key)`` when the caller has asked it already.
 
     Returns:
         ``CAPPED``, ``FIXED``, or None when nothing is symbolic.
@@ -154,10 +147,9 @@ def bound_sizes(gm: fx.GraphModule, key: str = "val") -> str | None:
         >>> bound_sizes(gm, "example_value")  # GPT-2 at 192 tokens: guard s0 <= 192
         'capped'
     """
-    sizes = symbolic_sizes(gm, key)
-    if not sizes:
+    if not symbolic_sizes(gm, key):
         return None
-    if cappable(gm, key):
+    if cappable(gm, key) if capped is None else capped:
         bare = _bare_sizes(gm, key)
         for symbol in sorted(bare, key=str):
             guard_bool(bare[symbol] <= size_hint(bare[symbol]))
