@@ -41,7 +41,15 @@ from .passes.cost import NodeCost, annotate, compute_seconds
 from .passes.fusion import fused_nodes
 from .passes.hand_over import HAND_OVER_SPEC, gradients_to_hand_over, hand_over_gradients
 from .passes.forked import workers as forked_workers
-from .passes.inductor_memory import donated_inputs, predict_step, start_lowering, stop_lowering
+from .passes.inductor_memory import (
+    donated_inputs,
+    lowerings_answered,
+    program_events,
+    predict_step,
+    returned_bytes,
+    start_lowering,
+    stop_lowering,
+)
 from .passes.index_put_sums import fold_sums_into_index_put
 from .passes.inplace import inplace_pairs
 from .passes.invariants import check_saved_aliases
@@ -179,6 +187,9 @@ class Choice:
     """Of ``solve_seconds``: lowering candidates to their programs and judging them (dry Inductor lowerings)."""
     accumulating: tuple[int, int] | None = None
     """``accumulating_peaks`` of the plan: the step's peak when the parameters' ``.grad`` exist."""
+    lowering: tuple[str, ...] = ()
+    """Dry lowerings already started for ``accumulating`` (``inductor_memory.start_lowering``), ended
+    once it is judged."""
 
 
 log = logging.getLogger("fxremat")
@@ -422,7 +433,7 @@ def _programs(analysis: Analysis, decision: Decision, options: Options, keep: bo
     the ones ``_lower_ahead`` built when it did (taken once), else built now. ``keep``: built to be taken
     by a later call."""
     key = _built_key(analysis, decision, options)
-    ahead = _BUILT.pop(key, None)
+    ahead = _BUILT.get(key) if keep else _BUILT.pop(key, None)
     if ahead is not None:
         return ahead
     programs = _build_programs(analysis, decision, options)
@@ -480,7 +491,7 @@ def _lower_beside(
         return []
     n = analysis.num_fwd_outputs
     return start_lowering(
-        [p for fw, bw in pairs for p in ((fw, False, None), (bw, True, donated_inputs(fw, bw, n)))], here
+        [p for fw, bw in pairs for p in ((fw, False, None, None), (bw, True, donated_inputs(fw, bw, n), fw))], here
     )
 
 
@@ -838,6 +849,87 @@ def _named(lowered: Lowered, solver: str) -> Lowered:
     return replace(lowered, decision=replace(lowered.decision, solver=f"{solver}:{lowered.decision.solver}"))
 
 
+def _judged_in_bound_order(
+    analysis: Analysis, worthy: list[tuple[Decision, str]], options: Options, judge
+) -> tuple[list[tuple[Lowered, str]], Decision | None, list[str]]:
+    """The candidates ``worthy`` judged (with their reasons, in their order), except those whose
+    programs cannot peak below a candidate judged before them: never the least peak. Then the
+    candidate of least bound, most likely chosen, and the fingerprints of its backward that hands
+    the gradients over, started in a child (``_lower_handed``): ``stop_lowering`` them unless chosen.
+
+    A plan's programs peak no lower than what its forward returns, alive together when it returns
+    (``returned_bytes``: the saved values and the outputs). Under Inductor the candidates are judged
+    least bound first, so a dry lowering is spent only where it can win (the Llama-3-8B shape with no
+    budget: PyTorch's partition returns 19.6 GiB, the least peak within the time slack peaks at
+    17.0 GiB: 16 s of lowering). Without fusion every candidate is judged: a judgement is a simulation.
+    Their programs are lowered a few candidates at a time (two programs each), in forked children
+    beside this process.
+    """
+    if not analysis.fusion or not worthy:
+        return [(judge(d), why) for d, why in worthy], None, []
+    bounds = [_returned_bound(analysis, d, options) for d, _ in worthy]
+    order = sorted(range(len(worthy)), key=lambda i: bounds[i])
+    likely = worthy[order[0]][0]
+    handed = _lower_handed(analysis, likely, options)
+    at_once = max(1, forked_workers() // 2)
+    judged: dict[int, Lowered] = {}
+
+    def beaten(i: int) -> bool:
+        least = min((lowered.peak for lowered in judged.values()), default=None)
+        if least is None or bounds[i] <= least:
+            return False
+        log.debug(
+            "fxremat: %s not lowered: its forward returns %s, above the %s a candidate's programs peak at",
+            worthy[i][1],
+            format_bytes(bounds[i]),
+            format_bytes(least),
+        )
+        return True
+
+    try:
+        for start in range(0, len(order), at_once):
+            batch = [i for i in order[start : start + at_once] if not beaten(i)]
+            ahead = _lower_ahead(analysis, [worthy[i][0] for i in batch], options)
+            try:
+                for i in batch:
+                    if not beaten(i):
+                        judged[i] = judge(worthy[i][0])
+            finally:
+                stop_lowering(ahead)
+    except BaseException:
+        stop_lowering(handed)
+        raise
+    return [(judged[i], worthy[i][1]) for i in sorted(judged)], likely, handed
+
+
+def _lower_handed(analysis: Analysis, decision: Decision, options: Options) -> list[str]:
+    """Start the dry lowering of the backward that hands ``decision``'s gradients over as they are
+    made, which ``accumulating_peaks`` judges once ``decision`` is chosen, in a forked child beyond
+    the workers' count (one core is often idle meanwhile: the Llama-3-8B shape's quickest plan
+    lowers in a child while this process lowers the candidate's own programs, then 20 s alone); the
+    fingerprints handed out."""
+    if not analysis.fusion or forked_workers() < 2 or options.grads_allocated is True:
+        return []
+    fw, bw, _ = _programs(analysis, decision, options, keep=True)
+    handed = _handed_backward(analysis, bw, options)
+    if handed is None:
+        return []
+    try:  # the forward's events first, here: the child then lowers the backward at its arrival strides
+        program_events(fw, is_backward=False)
+    except Exception:  # noqa: BLE001 - the judgement of this plan meets the failure and says so
+        return []
+    donated = donated_inputs(fw, handed, analysis.num_fwd_outputs)
+    return start_lowering([(handed, True, donated, fw)], here=False, extra=1)
+
+
+def _returned_bound(analysis: Analysis, decision: Decision, options: Options) -> int:
+    """No program of ``decision`` peaks below this: what its forward returns, and the saved values
+    earlier calls of the graph hold (``Options.repeats``). Its programs are kept for ``lower``."""
+    fw, _, _ = _programs(analysis, decision, options, keep=True)
+    returned, saved = returned_bytes(fw, analysis.num_fwd_outputs)
+    return returned + (options.repeats - 1) * saved
+
+
 def _no_budget(
     analysis: Analysis, options: Options, fastest: Decision, judge, started: float, reference: Reference | None
 ) -> Choice:
@@ -873,7 +965,6 @@ def _no_budget(
     # The quickest plan's programs are lowered in forked children while this process searches for the
     # others (one core each): 6.8 s of the benchmark GPT-2's no-budget compile, on both cores, before.
     behind = _lower_ahead(analysis, [first], options, here=False) if worth > 0 else []
-    ahead: list[str] = []
     try:
         within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"
         found: list[tuple[Decision, str, float]] = []  # (candidate, why, the peak it must be under to be judged)
@@ -896,14 +987,20 @@ def _no_budget(
                         worth,
                     )
                 )
-        quickest = judge(first)
         worthy = [(d, why) for d, why, under in found if d.peak_bytes < under]
-        # The candidates' programs are lowered at once, in forked children beside this process.
-        ahead = _lower_ahead(analysis, [d for d, _ in worthy], options)
-        candidates = [(quickest, "")] + [(judge(d), why) for d, why in worthy]
+        # The quickest plan's programs first when its child has answered (its worker is free again);
+        # else this process judges the others meanwhile. Either order gives the same plan.
+        quickest = judge(first) if not analysis.fusion or lowerings_answered(behind) else None
+        candidates, likely, handed = _judged_in_bound_order(analysis, worthy, options, judge)
+        if quickest is None:
+            quickest = judge(first)
+        candidates.insert(0, (quickest, ""))
     finally:
-        stop_lowering(behind + ahead)
+        stop_lowering(behind)
     lowered, why = min(candidates, key=lambda c: (c[0].peak, c[0].decision.recompute_seconds))
+    if lowered.decision is not likely:
+        stop_lowering(handed)
+        handed = []
     note = lowered.decision.note
     if lowered is not quickest:
         why = (
@@ -911,7 +1008,7 @@ def _no_budget(
             f"+{lowered.decision.recompute_seconds * 1e3:.3g} ms recompute)"
         )
         note = "; ".join(filter(None, [why, note]))
-    return Choice(lowered, fastest, True, note, time.perf_counter() - started, UNKNOWN)
+    return Choice(lowered, fastest, True, note, time.perf_counter() - started, UNKNOWN, lowering=tuple(handed))
 
 
 def choose(
@@ -970,6 +1067,12 @@ def choose(
 
     def completed(choice: Choice) -> Choice:
         """``choice`` checked, then with what its report needs judged."""
+        try:
+            return _completed(choice)
+        finally:
+            stop_lowering(list(choice.lowering))
+
+    def _completed(choice: Choice) -> Choice:
         choice = _settled(choice, options, name)
         if check is not None:
             check(choice)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxremat
+from fxremat import planner
 from fxremat.passes import forked, inductor_memory
 from zoo import ZOO
 
@@ -138,14 +139,14 @@ def _pointwise(shape):
 def test_this_process_lowers_the_first_share_and_a_child_the_rest(monkeypatch, forking):
     """The programs handed out are cut into shares of about equal size: this process lowers the first,
     a child the others, in one call. Every event equals an in-process lowering's."""
-    programs = [(_pointwise((2, 3, n)), False, None) for n in (8, 9, 10)]
-    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, _, _ in programs]
+    programs = [(_pointwise((2, 3, n)), False, None, None) for n in (8, 9, 10)]
+    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, *_ in programs]
     inductor_memory.forget_programs()
     started = _forks_counted(monkeypatch)
     handed = inductor_memory.start_lowering(programs)
     assert len(handed) == 2 and started == ["2 programs (10 nodes)"], (handed, started)
     assert inductor_memory.start_lowering(programs) == []  # the one worker beside this process is busy
-    events = [inductor_memory.program_events(gm, is_backward=False) for gm, _, _ in programs]
+    events = [inductor_memory.program_events(gm, is_backward=False) for gm, *_ in programs]
     assert events == here
     assert len(started) == 1
     inductor_memory.stop_lowering(handed)  # nothing left to end
@@ -154,8 +155,8 @@ def test_this_process_lowers_the_first_share_and_a_child_the_rest(monkeypatch, f
 
 def test_a_process_with_other_work_hands_every_share_to_a_child(monkeypatch, forking):
     """``here=False`` (this process searches meanwhile): the one worker beside it takes all the programs."""
-    programs = [(_pointwise((2, 3, n)), False, None) for n in (8, 9)]
-    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, _, _ in programs]
+    programs = [(_pointwise((2, 3, n)), False, None, None) for n in (8, 9)]
+    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, *_ in programs]
     inductor_memory.forget_programs()
     started = _forks_counted(monkeypatch)
     handed = inductor_memory.start_lowering(programs[:1], here=False)  # one program is worth a child too
@@ -163,8 +164,85 @@ def test_a_process_with_other_work_hands_every_share_to_a_child(monkeypatch, for
     inductor_memory.stop_lowering(handed)
     handed = inductor_memory.start_lowering(programs, here=False)
     assert len(handed) == 2 and started[1:] == ["2 programs (10 nodes)"], (handed, started)
-    events = [inductor_memory.program_events(gm, is_backward=False) for gm, _, _ in programs]
+    events = [inductor_memory.program_events(gm, is_backward=False) for gm, *_ in programs]
     assert events == here and len(started) == 2
+
+
+def _cnn_programs():
+    """The zoo CNN's planned forward and backward (no budget), and the backward's donated inputs."""
+    torch._dynamo.reset()
+    model, inputs = ZOO["cnn"]()
+    with planner.watch() as planned, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fxremat.explain(model, *inputs)
+    analysis, choice, _ = planned[0]
+    fw, bw = choice.lowered.forward, choice.lowered.backward
+    return fw, bw, inductor_memory.donated_inputs(fw, bw, analysis.num_fwd_outputs)
+
+
+def _lowered_here(monkeypatch) -> list:
+    """The programs this process lowers from now on (a child forked later keeps its own list)."""
+    here: list = []
+    real = inductor_memory.inductor_program_events
+    monkeypatch.setattr(inductor_memory, "inductor_program_events", lambda gm, **kw: here.append(gm) or real(gm, **kw))
+    return here
+
+
+@pytest.mark.parametrize("forward", ["in the child", "here"])
+def test_a_backward_is_lowered_in_a_child_at_the_strides_its_forward_returns(monkeypatch, forking, forward):
+    """The zoo CNN's forward returns its activations channels-last, and AOTAutograd compiles the backward
+    for those strides: a child that knows the forward's events (lowered before it in its share, or here
+    before the fork) lowers the backward at them, and this process takes it without lowering it again."""
+    fw, bw, donated = _cnn_programs()
+    inductor_memory.forget_programs()
+    fw_events = inductor_memory.inductor_program_events(fw, is_backward=False)
+    strides = inductor_memory.arrival_strides(fw_events, fw, bw)
+    assert strides, "the CNN's forward returns channels-last activations"
+    wanted = inductor_memory.inductor_program_events(bw, is_backward=True, donated=donated, strides=strides)
+    programs = [(bw, True, donated, fw)]
+    if forward == "here":
+        inductor_memory.program_events(fw, is_backward=False)
+    else:
+        programs.insert(0, (fw, False, None, None))
+    started = _forks_counted(monkeypatch)
+    handed = inductor_memory.start_lowering(programs, here=False)
+    assert len(handed) == len(programs) and len(started) == 1, (handed, started)
+    here = _lowered_here(monkeypatch)
+    assert inductor_memory.program_events(fw, is_backward=False) == fw_events
+    assert inductor_memory.program_events(bw, is_backward=True, donated=donated, strides=strides) == wanted
+    assert here == []
+
+
+def test_a_backward_whose_forward_the_child_does_not_know_is_lowered_here_at_its_strides(monkeypatch, forking):
+    """Handed out beside its forward (this process lowering that forward meanwhile), the child lowers the
+    backward at the strides of the graph; this process, asking at the strides its forward returned, lowers
+    it again rather than take events for other strides."""
+    fw, bw, donated = _cnn_programs()
+    inductor_memory.forget_programs()
+    handed = inductor_memory.start_lowering([(fw, False, None, None), (bw, True, donated, fw)], here=True)
+    assert len(handed) == 1
+    here = _lowered_here(monkeypatch)
+    fw_events = inductor_memory.program_events(fw, is_backward=False)
+    strides = inductor_memory.arrival_strides(fw_events, fw, bw)
+    inductor_memory.program_events(bw, is_backward=True, donated=donated, strides=strides)
+    assert here == [fw, bw]
+    assert not inductor_memory._PENDING  # the child's share was collected, not left running
+
+
+def test_with_no_budget_the_likely_plans_backward_with_grads_is_lowered_beside_it(monkeypatch, forking, lowered_here):
+    """The step with ``.grad`` allocated is judged on the chosen plan's backward that adds each gradient
+    in: lowered in a child while this process judges the candidates, for the candidate most likely chosen
+    (the least bound); never lowered here when that candidate is chosen. The plan is the same."""
+    handed: list = []
+    real = planner._handed_backward
+    monkeypatch.setattr(planner, "_handed_backward", lambda *a: handed.append(real(*a)) or handed[-1])
+    here = _lowered_here(monkeypatch)
+    there = _explain()
+    _same(there, lowered_here)
+    assert handed and handed[-1] is not None
+    asked = handed[-1].graph.python_code("self").src  # the chosen plan's, asked by the report
+    assert asked == handed[0].graph.python_code("self").src, "the likely candidate was chosen"
+    assert all(gm.graph.python_code("self").src != asked for gm in here)
 
 
 def test_shares_are_contiguous_and_balanced():

@@ -113,6 +113,11 @@ class Child:
             os.close(self.fd)
             _reap(self.pid)
 
+    def answered(self) -> bool:
+        """The call has returned: its answer is ready to read (``result`` will not wait for the call)."""
+        ready, _, _ = select.select([self.fd], [], [], 0)
+        return bool(ready)
+
     def cancel(self) -> None:
         """End the child without reading its answer."""
         try:

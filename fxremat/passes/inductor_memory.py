@@ -74,10 +74,11 @@ log = logging.getLogger(__name__)
 # small tuples (under 1 MB).
 PROGRAMS_KEPT = 64
 _PROGRAMS: "OrderedDict[str, list[tuple]]" = OrderedDict()
-# A program to lower: (graph, is_backward, donated inputs).
-Program = tuple[fx.GraphModule, bool, "list[int] | None"]
-# Programs being lowered in forked children (``start_lowering``), by fingerprint: the child and the
-# fingerprints of its whole share, in its order.
+# A program to lower: (graph, is_backward, donated inputs, and for a backward the forward it follows:
+# it arrives with the strides that forward's program returns, ``arrival_strides``).
+Program = tuple[fx.GraphModule, bool, "list[int] | None", "fx.GraphModule | None"]
+# Programs being lowered in forked children (``start_lowering``), by fingerprint (a backward's
+# without its arrival strides): the child and the fingerprints of its whole share, in its order.
 _PENDING: dict[str, tuple[Child, list[str]]] = {}
 # Graph constants up to this many elements are fingerprinted by value (Inductor folds small ones).
 SMALL_CONSTANT = 16
@@ -276,6 +277,16 @@ def _user_outputs(fw: fx.GraphModule, num_fwd_outputs: int, caller: set) -> dict
     return {s[0]: s[1] for s in map(_storage, outputs[:num_fwd_outputs]) if s is not None and s[0] not in caller}
 
 
+def returned_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
+    """The bytes ``fw`` returns, each storage once and its inputs' left out, and those of its saved
+    values alone: they are all alive when it returns, so no program Inductor makes of it peaks lower."""
+    caller = {s[0] for s in map(_storage, fw.graph.find_nodes(op="placeholder")) if s is not None}
+    outputs = outputs_of(fw)
+    returned = {s[0]: s[1] for s in map(_storage, outputs) if s is not None and s[0] not in caller}
+    saved = {s[0] for s in map(_storage, outputs[num_fwd_outputs:]) if s is not None and s[0] not in caller}
+    return sum(returned.values()), sum(returned[s] for s in saved)
+
+
 def donated_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
     """Positions of ``bw``'s placeholders AOTAutograd donates: the saved tensors no forward input,
     user output or gradient shares (Inductor may write into them in place)."""
@@ -338,8 +349,11 @@ def program_events(
     if events is not None:
         _PROGRAMS.move_to_end(key)
         return events
-    if key in _PENDING:
-        events = _collect(key)
+    # A child lowering it was handed it without the strides (it learns them from the forward's events).
+    pending = key if key in _PENDING or not strides else _fingerprint(gm, is_backward, donated)
+    if pending in _PENDING:
+        _collect(pending)
+        events = _PROGRAMS.get(key)
     if events is None:
         events = inductor_program_events(gm, is_backward=is_backward, donated=donated, strides=strides)
     _PROGRAMS[key] = events
@@ -348,24 +362,28 @@ def program_events(
     return events
 
 
-def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
-    """Lower ``programs`` ((graph, is_backward, donated) each, in the order this process will ask
-    ``program_events`` for them) in forked children; ``program_events`` then takes their events.
+def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -> list[str]:
+    """Lower ``programs`` (``Program``s, in the order this process will ask ``program_events`` for
+    them) in forked children; ``program_events`` then takes their events. A backward is lowered with
+    its arrival strides where the child knows its forward's events (this process knew them when it
+    forked, or the child lowered that forward first); else without (taken when there are none).
 
     The programs not yet kept are cut into contiguous shares of about equal size (nodes), one
     child each, as many children as ``forked.workers`` allows beside this process and those already
     running. With ``here``, this process lowers the first share itself, going forward; without, it
     has other work to do meanwhile (a search) and every share goes to a child.
-    Programs with symbolic sizes are left out, and all are when forking is off. Returns the
-    fingerprints handed to children: pass them to ``stop_lowering`` when done.
+    ``extra``: children allowed beyond the workers' count (a lowering that may not be asked for,
+    started where a core is often idle). Programs with symbolic sizes are left out, and all are
+    when forking is off. Returns the fingerprints handed to children: pass them to ``stop_lowering``
+    when done.
     """
     children = len({id(child) for child, _ in _PENDING.values()})
-    free = workers() - 1 - children
+    free = workers() - 1 - children + (extra if workers() > 1 else 0)
     if free <= 0:
         return []
     todo: dict[str, Program] = {}
     for program in programs:
-        key = _fingerprint(*program)
+        key = _fingerprint(*program[:3])
         if key is not None and key not in _PROGRAMS and key not in _PENDING:
             todo.setdefault(key, program)
     if len(todo) < (2 if here else 1):
@@ -376,11 +394,11 @@ def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
     for group in shares[1:] if here else shares:
         group_keys = [keys[i] for i in group]
         group_programs = [todo[k] for k in group_keys]
-        nodes = sum(len(gm.graph.nodes) for gm, _, _ in group_programs)
+        nodes = sum(len(program[0].graph.nodes) for program in group_programs)
         what = f"{len(group_programs)} program{'s' * (len(group_programs) > 1)} ({nodes} nodes)"
 
-        def lower(group_programs=group_programs) -> list[list[tuple]]:
-            return [inductor_program_events(gm, is_backward=b, donated=d) for gm, b, d in group_programs]
+        def lower(group_programs=group_programs) -> list[tuple[str | None, list[tuple]]]:
+            return [_lowered_in_child(program) for program in group_programs]
 
         try:
             child = fork_call(lower, what)
@@ -391,6 +409,22 @@ def start_lowering(programs: list[Program], here: bool = True) -> list[str]:
             _PENDING[k] = (child, group_keys)
         handed += group_keys
     return handed
+
+
+def _lowered_in_child(program: Program) -> tuple[str | None, list[tuple]]:
+    """In a forked child: ``program``'s fingerprint (with its arrival strides) and its events."""
+    gm, is_backward, donated, forward = program
+    strides = None
+    if forward is not None:
+        fw_events = _PROGRAMS.get(_fingerprint(forward, False, None) or "")
+        if fw_events is not None:
+            strides = arrival_strides(fw_events, forward, gm)
+    events = inductor_program_events(gm, is_backward=is_backward, donated=donated, strides=strides)
+    if not is_backward:  # for a backward after it in this child's share
+        key = _fingerprint(gm, False, donated)
+        if key is not None:
+            _PROGRAMS[key] = events
+    return _fingerprint(gm, is_backward, donated, strides), events
 
 
 def _shares(sizes: list[int], parts: int) -> list[list[int]]:
@@ -411,18 +445,24 @@ def _shares(sizes: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def _collect(key: str) -> list[tuple] | None:
-    """The events of ``key`` from the child lowering it (its whole share is kept), or None when it failed."""
+def _collect(key: str) -> None:
+    """Keep the events of the share of the child lowering ``key`` (under their fingerprints with
+    their arrival strides); none when it failed."""
     child, group = _PENDING[key]
     for k in group:
         _PENDING.pop(k, None)
     ok, answer = child.result()
     if not ok:
         log.info("fxremat: the forked dry lowering of %s failed (%s); lowering it here", child.what, answer)
-        return None
-    for k, events in zip(group, cast(list, answer)):
-        _PROGRAMS[k] = events
-    return _PROGRAMS[key]
+        return
+    for k, events in cast(list, answer):
+        if k is not None:
+            _PROGRAMS[k] = events
+
+
+def lowerings_answered(keys: list[str]) -> bool:
+    """Every child lowering one of ``keys`` has answered (taking their events will not wait)."""
+    return all(key not in _PENDING or _PENDING[key][0].answered() for key in keys)
 
 
 def stop_lowering(keys: list[str]) -> None:

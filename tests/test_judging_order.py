@@ -1,0 +1,122 @@
+"""With no budget under Inductor, candidates are judged least bound first, and one that cannot peak
+below a candidate already judged is not lowered (``planner._judged_in_bound_order``)."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fxremat
+from fxremat import planner
+from fxremat.passes import inductor_memory
+from fxremat.solvers.types import Decision
+from test_no_budget import _Wide
+from zoo import ZOO
+
+
+def _decision(k: int) -> Decision:
+    return Decision(kept=(k,), recomputed=(), peak_bytes=0, recompute_seconds=0.0, feasible=True, solver="t")
+
+
+def test_candidates_are_judged_least_bound_first_and_the_beaten_are_not_lowered(monkeypatch):
+    worthy = [(_decision(k), f"candidate {k}") for k in range(4)]
+    bounds = {0: 50, 1: 10, 2: 30, 3: 20}  # by kept value
+    peaks = {0: 60, 1: 25, 2: 35, 3: 24}
+    monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: bounds[d.kept[0]])
+    monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
+    monkeypatch.setattr(planner, "_lower_handed", lambda *a: ["fingerprint"])
+    asked: list[int] = []
+
+    def judge(d: Decision):
+        asked.append(d.kept[0])
+        return SimpleNamespace(peak=peaks[d.kept[0]], decision=d)
+
+    analysis = SimpleNamespace(fusion=True)
+    judged, likely, handed = planner._judged_in_bound_order(analysis, worthy, fxremat.Options(), judge)
+    # 1 (bound 10) peaks at 25; 3 (bound 20) can still win and peaks at 24; 2 (30) and 0 (50) cannot.
+    assert asked == [1, 3]
+    assert [why for _, why in judged] == ["candidate 1", "candidate 3"]  # in the candidates' order
+    assert likely is worthy[1][0] and handed == ["fingerprint"]
+
+
+def test_a_bound_equal_to_the_least_peak_is_judged(monkeypatch):
+    """A candidate whose bound equals the least peak judged may tie it with less recompute: judged."""
+    worthy = [(_decision(k), str(k)) for k in range(2)]
+    monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: 10)
+    monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
+    monkeypatch.setattr(planner, "_lower_handed", lambda *a: [])
+    judged, _, _ = planner._judged_in_bound_order(
+        SimpleNamespace(fusion=True), worthy, fxremat.Options(), lambda d: SimpleNamespace(peak=10, decision=d)
+    )
+    assert len(judged) == 2
+
+
+def test_without_fusion_every_candidate_is_judged_in_order(monkeypatch):
+    monkeypatch.setattr(planner, "_returned_bound", lambda *a: pytest.fail("no bound needed: judging is a simulation"))
+    worthy = [(_decision(k), str(k)) for k in (2, 0, 1)]
+    asked: list[int] = []
+    judged, likely, handed = planner._judged_in_bound_order(
+        SimpleNamespace(fusion=False),
+        worthy,
+        fxremat.Options(),
+        lambda d: asked.append(d.kept[0]) or SimpleNamespace(peak=0, decision=d),
+    )
+    assert asked == [2, 0, 1] and len(judged) == 3 and likely is None and handed == []
+
+
+def _wide():
+    torch.manual_seed(0)
+    return _Wide(), (torch.randn(512, 128),)
+
+
+# _Wide: three candidates, PyTorch's partition returning twice the least one's peak; gpt2: one.
+BUILDS = {"wide": _wide, "gpt2": ZOO["gpt2"]}
+
+
+def _explain(name: str) -> fxremat.Plan:
+    torch._dynamo.reset()
+    inductor_memory.forget_programs()
+    model, inputs = BUILDS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fxremat.explain(model, *inputs)
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_the_bound_is_never_above_the_programs_peak_and_skipping_keeps_the_plan(monkeypatch, name):
+    """Every candidate judged peaks at or above its bound (what its forward returns, alive together),
+    so a candidate skipped for its bound could not have been chosen: the plan is the one judging every
+    candidate gives."""
+    bounds: dict[tuple, int] = {}
+    real_bound = planner._returned_bound
+
+    def bound(analysis, decision, options):
+        bounds[decision.kept] = real_bound(analysis, decision, options)
+        return bounds[decision.kept]
+
+    peaks: dict[tuple, int] = {}
+    real_lower = planner.lower
+
+    def lower(analysis, decision, options, known=None):
+        lowered = real_lower(analysis, decision, options, known)
+        peaks[decision.kept] = lowered.peak
+        return lowered
+
+    monkeypatch.setattr(planner, "_returned_bound", bound)
+    monkeypatch.setattr(planner, "lower", lower)
+    plan = _explain(name)
+    assert bounds, "candidates were ranked by their bounds"
+    judged = [kept for kept in bounds if kept in peaks]
+    assert name != "wide" or len(judged) < len(bounds), "one candidate was not lowered"
+    assert judged and all(bounds[kept] <= peaks[kept] for kept in judged), [(bounds[k], peaks[k]) for k in judged]
+    monkeypatch.setattr(planner, "_returned_bound", lambda *a: 0)  # nothing skipped
+    every = _explain(name)
+    assert [r.name for r in plan.kept] == [r.name for r in every.kept]
+    assert (plan.predicted_peak, plan.fastest_peak, plan.accumulating_peak) == (
+        every.predicted_peak,
+        every.fastest_peak,
+        every.accumulating_peak,
+    )
