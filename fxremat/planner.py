@@ -850,7 +850,7 @@ def _named(lowered: Lowered, solver: str) -> Lowered:
 
 
 def _judged_in_bound_order(
-    analysis: Analysis, worthy: list[tuple[Decision, str]], options: Options, judge
+    analysis: Analysis, worthy: list[tuple[Decision, str]], options: Options, judge: _Judge
 ) -> tuple[list[tuple[Lowered, str]], Decision | None, list[str]]:
     """The candidates ``worthy`` judged (with their reasons, in their order), except those whose
     programs cannot peak below a candidate judged before them: never the least peak. Then the
@@ -870,7 +870,8 @@ def _judged_in_bound_order(
     bounds = [_returned_bound(analysis, d, options) for d, _ in worthy]
     order = sorted(range(len(worthy)), key=lambda i: bounds[i])
     likely = worthy[order[0]][0]
-    handed = _lower_handed(analysis, likely, options)
+    with judge.timing():  # it lowers the likely candidate's forward here
+        handed = _lower_handed(analysis, likely, options)
     at_once = max(1, forked_workers() // 2)
     judged: dict[int, Lowered] = {}
 
@@ -1011,6 +1012,36 @@ def _no_budget(
     return Choice(lowered, fastest, True, note, time.perf_counter() - started, UNKNOWN, lowering=tuple(handed))
 
 
+class _Judge:
+    """``lower`` of a plan, once per distinct plan (called as ``judge(decision)``), and the seconds spent
+    lowering and judging (``Choice.lower_seconds``)."""
+
+    def __init__(self, analysis: Analysis, options: Options) -> None:
+        self.analysis, self.options = analysis, options
+        self.judged: dict[tuple[tuple[int, ...], int], Lowered] = {}
+        self.seconds = 0.0
+        self._depth = 0
+
+    def __call__(self, decision: Decision) -> Lowered:
+        key = (decision.kept, decision.twice)
+        if key not in self.judged:
+            with self.timing():
+                self.judged[key] = lower(self.analysis, decision, self.options)
+        return self.judged[key]
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Count the block's time as lowering (once where blocks nest)."""
+        self._depth += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - started
+
+
 def choose(
     analysis: Analysis,
     options: Options,
@@ -1034,16 +1065,7 @@ def choose(
     fastest = solve(problem, None, "save_all", solve_options)
     # What the step holds outside this graph (options.reserve) is not the graph's to use.
     budget = None if options.budget is None else max(1, options.budget - options.reserve)
-    judged: dict[tuple[tuple[int, ...], int], Lowered] = {}  # one dry lowering per distinct plan
-    lowering = [0.0]
-
-    def judge(decision: Decision) -> Lowered:
-        key = (decision.kept, decision.twice)
-        if key not in judged:
-            t = time.perf_counter()
-            judged[key] = lower(analysis, decision, options)
-            lowering[0] += time.perf_counter() - t
-        return judged[key]
+    judge = _Judge(analysis, options)
 
     def standing_fastest() -> int | None:
         """A judged plan's peak that stands for the fastest plan's: one that recomputes no more than the
@@ -1051,7 +1073,7 @@ def choose(
         compile without its own dry lowering). None when none was judged."""
         fast = [
             lowered.peak
-            for lowered in judged.values()
+            for lowered in judge.judged.values()
             if not lowered.decision.twice and lowered.decision.recompute_seconds <= fastest.recompute_seconds
         ]
         return min(fast) if fast else None
@@ -1076,23 +1098,22 @@ def choose(
         choice = _settled(choice, options, name)
         if check is not None:
             check(choice)
-        t = time.perf_counter()
         ahead: list[str] = []
-        if choice.fastest_peak == UNKNOWN and choice.accumulating == PENDING and standing_fastest() is None:
-            # Both need dry lowerings: the fastest plan's programs in a child while this process judges
-            # the step with .grad allocated (the benchmark CNN at half its peak: 2-5 s of report-only
-            # lowering each time it was planned).
-            ahead = _lower_ahead(analysis, [fastest], options, here=False)
-        try:
-            if choice.accumulating == PENDING:
-                choice = replace(choice, accumulating=accumulating_peaks(analysis, choice.lowered, options))
-            if choice.fastest_peak == UNKNOWN:
-                choice = replace(choice, fastest_peak=fastest_peak())
-        finally:
-            stop_lowering(ahead)
-        lowering[0] += time.perf_counter() - t
+        with judge.timing():
+            if choice.fastest_peak == UNKNOWN and choice.accumulating == PENDING and standing_fastest() is None:
+                # Both need dry lowerings: the fastest plan's programs in a child while this process judges
+                # the step with .grad allocated (the benchmark CNN at half its peak: 2-5 s of report-only
+                # lowering each time it was planned).
+                ahead = _lower_ahead(analysis, [fastest], options, here=False)
+            try:
+                if choice.accumulating == PENDING:
+                    choice = replace(choice, accumulating=accumulating_peaks(analysis, choice.lowered, options))
+                if choice.fastest_peak == UNKNOWN:
+                    choice = replace(choice, fastest_peak=fastest_peak())
+            finally:
+                stop_lowering(ahead)
         # ``lower_seconds`` is part of ``solve_seconds``.
-        return replace(choice, solve_seconds=time.perf_counter() - started, lower_seconds=lowering[0])
+        return replace(choice, solve_seconds=time.perf_counter() - started, lower_seconds=judge.seconds)
 
     if memo is not None and memo_key in memo:
         again = _from_entry(memo[memo_key], analysis, options, name, fastest, started, REMEMBERED)

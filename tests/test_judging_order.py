@@ -21,6 +21,18 @@ def _decision(k: int) -> Decision:
     return Decision(kept=(k,), recomputed=(), peak_bytes=0, recompute_seconds=0.0, feasible=True, solver="t")
 
 
+def _lowered(monkeypatch, peaks: dict[int, int]) -> list[int]:
+    """``planner.lower`` answering ``peaks`` by kept value; the kept values asked, in order."""
+    asked: list[int] = []
+
+    def lower(analysis, d: Decision, options, known=None):
+        asked.append(d.kept[0])
+        return SimpleNamespace(peak=peaks[d.kept[0]], decision=d)
+
+    monkeypatch.setattr(planner, "lower", lower)
+    return asked
+
+
 def test_candidates_are_judged_least_bound_first_and_the_beaten_are_not_lowered(monkeypatch):
     worthy = [(_decision(k), f"candidate {k}") for k in range(4)]
     bounds = {0: 50, 1: 10, 2: 30, 3: 20}  # by kept value
@@ -28,13 +40,9 @@ def test_candidates_are_judged_least_bound_first_and_the_beaten_are_not_lowered(
     monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: bounds[d.kept[0]])
     monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
     monkeypatch.setattr(planner, "_lower_handed", lambda *a: ["fingerprint"])
-    asked: list[int] = []
-
-    def judge(d: Decision):
-        asked.append(d.kept[0])
-        return SimpleNamespace(peak=peaks[d.kept[0]], decision=d)
-
+    asked = _lowered(monkeypatch, peaks)
     analysis = SimpleNamespace(fusion=True)
+    judge = planner._Judge(analysis, fxremat.Options())
     judged, likely, handed = planner._judged_in_bound_order(analysis, worthy, fxremat.Options(), judge)
     # 1 (bound 10) peaks at 25; 3 (bound 20) can still win and peaks at 24; 2 (30) and 0 (50) cannot.
     assert asked == [1, 3]
@@ -48,8 +56,10 @@ def test_a_bound_equal_to_the_least_peak_is_judged(monkeypatch):
     monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: 10)
     monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
     monkeypatch.setattr(planner, "_lower_handed", lambda *a: [])
+    _lowered(monkeypatch, {0: 10, 1: 10})
+    analysis = SimpleNamespace(fusion=True)
     judged, _, _ = planner._judged_in_bound_order(
-        SimpleNamespace(fusion=True), worthy, fxremat.Options(), lambda d: SimpleNamespace(peak=10, decision=d)
+        analysis, worthy, fxremat.Options(), planner._Judge(analysis, fxremat.Options())
     )
     assert len(judged) == 2
 
@@ -57,12 +67,10 @@ def test_a_bound_equal_to_the_least_peak_is_judged(monkeypatch):
 def test_without_fusion_every_candidate_is_judged_in_order(monkeypatch):
     monkeypatch.setattr(planner, "_returned_bound", lambda *a: pytest.fail("no bound needed: judging is a simulation"))
     worthy = [(_decision(k), str(k)) for k in (2, 0, 1)]
-    asked: list[int] = []
+    asked = _lowered(monkeypatch, {0: 0, 1: 0, 2: 0})
+    analysis = SimpleNamespace(fusion=False)
     judged, likely, handed = planner._judged_in_bound_order(
-        SimpleNamespace(fusion=False),
-        worthy,
-        fxremat.Options(),
-        lambda d: asked.append(d.kept[0]) or SimpleNamespace(peak=0, decision=d),
+        analysis, worthy, fxremat.Options(), planner._Judge(analysis, fxremat.Options())
     )
     assert asked == [2, 0, 1] and len(judged) == 3 and likely is None and handed == []
 
