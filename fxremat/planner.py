@@ -812,24 +812,20 @@ def _least(analysis: Analysis, search: str, options: Options, judge, reference: 
         return judge(least)
     per_layer = solve(problem, None, "per_layer", solve_options)
     theirs = _pytorchs(analysis, reference)
-    others = [(per_layer, "per-layer checkpointing's plan")]
+    candidates = [(least, ""), (per_layer, "per-layer checkpointing's plan")]
     if theirs is not None:
-        others.append((theirs, "PyTorch's own partition (plain torch.compile's)"))
-    # The candidates' programs are lowered at once, in forked children beside this process.
-    ahead = _lower_ahead(analysis, [least] + [d for d, _ in others], options)
-    try:
-        found = judge(least)
-        lowered = [(judge(d), why) for d, why in others]
-    finally:
-        stop_lowering(ahead)
-    searched = found.peak
-    for other, why in lowered:
-        if other.peak < found.peak:
-            note = (
-                f"{why}: its programs peak at {format_bytes(other.peak)}, the least-peak search's at "
-                f"{format_bytes(searched)}"
-            )
-            found = replace(other, decision=replace(other.decision, note=note))
+        candidates.append((theirs, "PyTorch's own partition (plain torch.compile's)"))
+    judged, _, _ = _judged_in_bound_order(analysis, candidates, options, judge, hand_over=False)
+    found, why = min(judged, key=lambda c: c[0].peak)  # of equal peaks, the search's, then per-layer's
+    if why:
+        searched = next((lowered.peak for lowered, w in judged if not w), None)
+        than = (
+            f"the least-peak search's at {format_bytes(searched)}"
+            if searched is not None
+            else "below what the least-peak search's forward alone returns"
+        )
+        note = f"{why}: its programs peak at {format_bytes(found.peak)}, {than}"
+        found = replace(found, decision=replace(found.decision, note=note))
     # Nested checkpoints: fewer values kept, the segments between them recomputed a second time.
     kept, peak, splits = nested_least(problem, found.decision.kept)
     if not splits or peak > (1 - TWICE_MIN_GAIN) * found.decision.peak_bytes:
@@ -850,12 +846,17 @@ def _named(lowered: Lowered, solver: str) -> Lowered:
 
 
 def _judged_in_bound_order(
-    analysis: Analysis, worthy: list[tuple[Decision, str]], options: Options, judge: _Judge
+    analysis: Analysis,
+    worthy: list[tuple[Decision, str]],
+    options: Options,
+    judge: _Judge,
+    hand_over: bool = True,
 ) -> tuple[list[tuple[Lowered, str]], Decision | None, list[str]]:
     """The candidates ``worthy`` judged (with their reasons, in their order), except those whose
     programs cannot peak below a candidate judged before them: never the least peak. Then the
-    candidate of least bound, most likely chosen, and the fingerprints of its backward that hands
-    the gradients over, started in a child (``_lower_handed``): ``stop_lowering`` them unless chosen.
+    candidate of least bound, most likely chosen, and (``hand_over``) the fingerprints of its
+    backward that hands the gradients over, started in a child (``_lower_handed``):
+    ``stop_lowering`` them unless chosen.
 
     A plan's programs peak no lower than what its forward returns, alive together when it returns
     (``returned_bytes``: the saved values and the outputs). Under Inductor the candidates are judged
@@ -871,7 +872,7 @@ def _judged_in_bound_order(
     order = sorted(range(len(worthy)), key=lambda i: bounds[i])
     likely = worthy[order[0]][0]
     with judge.timing():  # it lowers the likely candidate's forward here
-        handed = _lower_handed(analysis, likely, options)
+        handed = _lower_handed(analysis, likely, options) if hand_over else []
     at_once = max(1, forked_workers() // 2)
     judged: dict[int, Lowered] = {}
 
@@ -881,7 +882,7 @@ def _judged_in_bound_order(
             return False
         log.debug(
             "fxremat: %s not lowered: its forward returns %s, above the %s a candidate's programs peak at",
-            worthy[i][1],
+            worthy[i][1] or "the first candidate",
             format_bytes(bounds[i]),
             format_bytes(least),
         )
