@@ -967,6 +967,7 @@ def _no_budget(
     # The quickest plan's programs are lowered in forked children while this process searches for the
     # others (one core each): 6.8 s of the benchmark GPT-2's no-budget compile, on both cores, before.
     behind = _lower_ahead(analysis, [first], options, here=False) if worth > 0 else []
+    handed: list[str] = []
     try:
         within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"
         found: list[tuple[Decision, str, float]] = []  # (candidate, why, the peak it must be under to be judged)
@@ -997,6 +998,9 @@ def _no_budget(
         if quickest is None:
             quickest = judge(first)
         candidates.insert(0, (quickest, ""))
+    except BaseException:
+        stop_lowering(handed)
+        raise
     finally:
         stop_lowering(behind)
     lowered, why = min(candidates, key=lambda c: (c[0].peak, c[0].decision.recompute_seconds))
