@@ -232,7 +232,7 @@ def test_a_backward_whose_forward_the_child_does_not_know_is_lowered_here_at_its
 def test_with_no_budget_the_likely_plans_backward_with_grads_is_lowered_beside_it(monkeypatch, forking, lowered_here):
     """The step with ``.grad`` allocated is judged on the chosen plan's backward that adds each gradient
     in: lowered in a child while this process judges the candidates, for the candidate most likely chosen
-    (the least bound); never lowered here when that candidate is chosen. The plan is the same."""
+    (the one judged first); never lowered here when that candidate is chosen. The plan is the same."""
     handed: list = []
     real = planner._handed_backward
     monkeypatch.setattr(planner, "_handed_backward", lambda *a: handed.append(real(*a)) or handed[-1])

@@ -1,4 +1,4 @@
-"""With no budget under Inductor, candidates are judged least bound first, and one that cannot peak
+"""With no budget under Inductor, candidates are judged least modelled peak first, and one that cannot peak
 below a candidate already judged is not lowered (``planner._judged_in_bound_order``)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from test_no_budget import _Wide
 from zoo import ZOO
 
 
-def _decision(k: int) -> Decision:
-    return Decision(kept=(k,), recomputed=(), peak_bytes=0, recompute_seconds=0.0, feasible=True, solver="t")
+def _decision(k: int, modelled: int = 0) -> Decision:
+    return Decision(kept=(k,), recomputed=(), peak_bytes=modelled, recompute_seconds=0.0, feasible=True, solver="t")
 
 
 def _lowered(monkeypatch, peaks: dict[int, int]) -> list[int]:
@@ -33,9 +33,10 @@ def _lowered(monkeypatch, peaks: dict[int, int]) -> list[int]:
     return asked
 
 
-def test_candidates_are_judged_least_bound_first_and_the_beaten_are_not_lowered(monkeypatch):
-    worthy = [(_decision(k), f"candidate {k}") for k in range(4)]
-    bounds = {0: 50, 1: 10, 2: 30, 3: 20}  # by kept value
+def test_candidates_are_judged_least_modelled_peak_first_and_the_beaten_are_not_lowered(monkeypatch):
+    modelled = {0: 70, 1: 30, 2: 40, 3: 20}  # the solver's model of each plan's peak, by kept value
+    worthy = [(_decision(k, modelled[k]), f"candidate {k}") for k in range(4)]
+    bounds = {0: 50, 1: 10, 2: 30, 3: 20}
     peaks = {0: 60, 1: 25, 2: 35, 3: 24}
     monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: bounds[d.kept[0]])
     monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
@@ -44,14 +45,15 @@ def test_candidates_are_judged_least_bound_first_and_the_beaten_are_not_lowered(
     analysis = SimpleNamespace(fusion=True)
     judge = planner._Judge(analysis, fxremat.Options())
     judged, likely, handed = planner._judged_in_bound_order(analysis, worthy, fxremat.Options(), judge)
-    # 1 (bound 10) peaks at 25; 3 (bound 20) can still win and peaks at 24; 2 (30) and 0 (50) cannot.
-    assert asked == [1, 3]
+    # 3 (modelled 20) peaks at 24; 1 (bound 10) can still win and peaks at 25; 2 (30) and 0 (50) cannot.
+    assert asked == [3, 1]
     assert [why for _, why in judged] == ["candidate 1", "candidate 3"]  # in the candidates' order
-    assert likely is worthy[1][0] and handed == ["fingerprint"]
+    assert likely is worthy[3][0] and handed == ["fingerprint"]
 
 
 def test_a_bound_equal_to_the_least_peak_is_judged(monkeypatch):
-    """A candidate whose bound equals the least peak judged may tie it with less recompute: judged."""
+    """A candidate whose bound equals the least peak judged may tie it with less recompute: judged.
+    Equal modelled peaks are judged in their order."""
     worthy = [(_decision(k), str(k)) for k in range(2)]
     monkeypatch.setattr(planner, "_returned_bound", lambda analysis, d, options: 10)
     monkeypatch.setattr(planner, "_lower_ahead", lambda *a, **k: [])
