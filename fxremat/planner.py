@@ -815,7 +815,7 @@ def _least(analysis: Analysis, search: str, options: Options, judge, reference: 
     candidates = [(least, ""), (per_layer, "per-layer checkpointing's plan")]
     if theirs is not None:
         candidates.append((theirs, "PyTorch's own partition (plain torch.compile's)"))
-    judged, _, _ = _judged_in_bound_order(analysis, candidates, options, judge, hand_over=False)
+    judged, _, _ = _judged_unless_beaten(analysis, candidates, options, judge, hand_over=False)
     found, why = min(judged, key=lambda c: c[0].peak)  # of equal peaks, the search's, then per-layer's
     if why:
         searched = next((lowered.peak for lowered, w in judged if not w), None)
@@ -845,7 +845,7 @@ def _named(lowered: Lowered, solver: str) -> Lowered:
     return replace(lowered, decision=replace(lowered.decision, solver=f"{solver}:{lowered.decision.solver}"))
 
 
-def _judged_in_bound_order(
+def _judged_unless_beaten(
     analysis: Analysis,
     worthy: list[tuple[Decision, str]],
     options: Options,
@@ -998,7 +998,7 @@ def _no_budget(
         # The quickest plan's programs first when its child has answered (its worker is free again);
         # else this process judges the others meanwhile. Either order gives the same plan.
         quickest = judge(first) if not analysis.fusion or lowerings_answered(behind) else None
-        candidates, likely, handed = _judged_in_bound_order(analysis, worthy, options, judge)
+        candidates, likely, handed = _judged_unless_beaten(analysis, worthy, options, judge)
         if quickest is None:
             quickest = judge(first)
         candidates.insert(0, (quickest, ""))

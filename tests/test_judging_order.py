@@ -1,5 +1,5 @@
 """With no budget under Inductor, candidates are judged least modelled peak first, and one that cannot peak
-below a candidate already judged is not lowered (``planner._judged_in_bound_order``)."""
+below a candidate already judged is not lowered (``planner._judged_unless_beaten``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_candidates_are_judged_least_modelled_peak_first_and_the_beaten_are_not_
     asked = _lowered(monkeypatch, peaks)
     analysis = SimpleNamespace(fusion=True)
     judge = planner._Judge(analysis, fxremat.Options())
-    judged, likely, handed = planner._judged_in_bound_order(analysis, worthy, fxremat.Options(), judge)
+    judged, likely, handed = planner._judged_unless_beaten(analysis, worthy, fxremat.Options(), judge)
     # 3 (modelled 20) peaks at 24; 1 (bound 10) can still win and peaks at 25; 2 (30) and 0 (50) cannot.
     assert asked == [3, 1]
     assert [why for _, why in judged] == ["candidate 1", "candidate 3"]  # in the candidates' order
@@ -60,7 +60,7 @@ def test_a_bound_equal_to_the_least_peak_is_judged(monkeypatch):
     monkeypatch.setattr(planner, "_lower_handed", lambda *a: [])
     _lowered(monkeypatch, {0: 10, 1: 10})
     analysis = SimpleNamespace(fusion=True)
-    judged, _, _ = planner._judged_in_bound_order(
+    judged, _, _ = planner._judged_unless_beaten(
         analysis, worthy, fxremat.Options(), planner._Judge(analysis, fxremat.Options())
     )
     assert len(judged) == 2
@@ -71,7 +71,7 @@ def test_without_fusion_every_candidate_is_judged_in_order(monkeypatch):
     worthy = [(_decision(k), str(k)) for k in (2, 0, 1)]
     asked = _lowered(monkeypatch, {0: 0, 1: 0, 2: 0})
     analysis = SimpleNamespace(fusion=False)
-    judged, likely, handed = planner._judged_in_bound_order(
+    judged, likely, handed = planner._judged_unless_beaten(
         analysis, worthy, fxremat.Options(), planner._Judge(analysis, fxremat.Options())
     )
     assert asked == [2, 0, 1] and len(judged) == 3 and likely is None and handed == []

@@ -579,7 +579,7 @@ def _bounds(rows, chunks: int) -> list:
     if isinstance(rows, torch.SymInt):
         size = _chunk_rows(rows, chunks)
         return [(torch.sym_min(i * size, rows), torch.sym_min((i + 1) * size, rows)) for i in range(chunks)]
-    size = -(-rows // chunks)
+    size = _chunk_rows(rows, chunks)
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 

@@ -106,6 +106,11 @@ def _storage(node) -> tuple[StorageWeakRef, int] | None:
     return None if key is None else (key, size_hint(node.meta["val"].untyped_storage().nbytes()))
 
 
+def _input_storages(gm: fx.GraphModule) -> set[StorageWeakRef]:
+    """The storages of ``gm``'s inputs (the caller's: a program allocates none of them)."""
+    return {s[0] for s in map(_storage, gm.graph.find_nodes(op="placeholder")) if s is not None}
+
+
 def replay(
     events: list[tuple],
     inputs: dict[str, tuple[object, int, bool]],
@@ -193,7 +198,7 @@ def predict_step(
     """
     scratch = scratch_by_name or {}
     fw_inputs = list(fw.graph.find_nodes(op="placeholder"))
-    caller = {s[0] for s in map(_storage, fw_inputs) if s is not None}
+    caller = _input_storages(fw)
     fw_events = program_events(fw, is_backward=False)
     if forward_peak is None:
         held: dict[str, tuple[object, int, bool]] = {n.name: (("input", n.name), 0, False) for n in fw_inputs}
@@ -280,7 +285,7 @@ def _user_outputs(fw: fx.GraphModule, num_fwd_outputs: int, caller: set) -> dict
 def returned_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
     """The bytes ``fw`` returns, each storage once and its inputs' left out, and those of its saved
     values alone: they are all alive when it returns, so no program Inductor makes of it peaks lower."""
-    caller = {s[0] for s in map(_storage, fw.graph.find_nodes(op="placeholder")) if s is not None}
+    caller = _input_storages(fw)
     outputs = outputs_of(fw)
     returned = {s[0]: s[1] for s in map(_storage, outputs) if s is not None and s[0] not in caller}
     saved = {s[0] for s in map(_storage, outputs[num_fwd_outputs:]) if s is not None and s[0] not in caller}
@@ -290,7 +295,7 @@ def returned_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
 def donated_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
     """Positions of ``bw``'s placeholders AOTAutograd donates: the saved tensors no forward input,
     user output or gradient shares (Inductor may write into them in place)."""
-    caller = {s[0] for s in map(_storage, fw.graph.find_nodes(op="placeholder")) if s is not None}
+    caller = _input_storages(fw)
     by_name = {n.name: n for n in outputs_of(fw) if isinstance(n, fx.Node)}
     user = _user_outputs(fw, num_fwd_outputs, caller)
     shared = caller | set(user) | {s[0] for s in map(_storage, outputs_of(bw)) if s is not None}
@@ -389,6 +394,7 @@ def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -
     if len(todo) < (2 if here else 1):
         return []
     keys = list(todo)
+    forwards = {id(todo[k][0]): k for k in keys if not todo[k][1]}  # for a backward's forward in a share
     shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + (1 if here else 0), len(keys)))
     handed: list[str] = []
     for group in shares[1:] if here else shares:
@@ -397,8 +403,8 @@ def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -
         nodes = sum(len(program[0].graph.nodes) for program in group_programs)
         what = f"{len(group_programs)} program{'s' * (len(group_programs) > 1)} ({nodes} nodes)"
 
-        def lower(group_programs=group_programs) -> list[tuple[str | None, list[tuple]]]:
-            return [_lowered_in_child(program) for program in group_programs]
+        def lower(group_keys=group_keys, group_programs=group_programs) -> list[tuple[str | None, list[tuple]]]:
+            return [_lowered_in_child(p, k, forwards) for p, k in zip(group_programs, group_keys)]
 
         try:
             child = fork_call(lower, what)
@@ -411,20 +417,20 @@ def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -
     return handed
 
 
-def _lowered_in_child(program: Program) -> tuple[str | None, list[tuple]]:
-    """In a forked child: ``program``'s fingerprint (with its arrival strides) and its events."""
+def _lowered_in_child(program: Program, key: str, forwards: dict[int, str]) -> tuple[str | None, list[tuple]]:
+    """In a forked child: ``program``'s fingerprint (``key``, or with its arrival strides) and its events.
+    ``forwards``: the fingerprints of the forwards handed out with it, by graph."""
     gm, is_backward, donated, forward = program
     strides = None
     if forward is not None:
-        fw_events = _PROGRAMS.get(_fingerprint(forward, False, None) or "")
+        fw_key = forwards.get(id(forward)) or _fingerprint(forward, False, None)
+        fw_events = _PROGRAMS.get(fw_key or "")
         if fw_events is not None:
             strides = arrival_strides(fw_events, forward, gm)
     events = inductor_program_events(gm, is_backward=is_backward, donated=donated, strides=strides)
     if not is_backward:  # for a backward after it in this child's share
-        key = _fingerprint(gm, False, donated)
-        if key is not None:
-            _PROGRAMS[key] = events
-    return _fingerprint(gm, is_backward, donated, strides), events
+        _PROGRAMS[key] = events
+    return (_fingerprint(gm, is_backward, donated, strides) if strides else key), events
 
 
 def _shares(sizes: list[int], parts: int) -> list[list[int]]:
