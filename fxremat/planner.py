@@ -869,7 +869,8 @@ def _judged_unless_beaten(
     """
     if not analysis.fusion or not worthy:
         return [(judge(d), why) for d, why in worthy], None, []
-    bounds = [_returned_bound(analysis, d, options) for d, _ in worthy]
+    with judge.timing():  # building a candidate's programs is part of lowering it, as in ``lower``
+        bounds = [_returned_bound(analysis, d, options) for d, _ in worthy]
     # The solver's model of each plan's peak ranks them best: judged first, the least peak judged
     # rises early and skips the most (a bound ranks them worse: on the benchmark BERT PyTorch's
     # partition returns the least, 100.1 MiB, and peaks the most, 143.2 MiB against 120.1).
@@ -895,7 +896,8 @@ def _judged_unless_beaten(
     try:
         for start in range(0, len(order), at_once):
             batch = [i for i in order[start : start + at_once] if not beaten(i)]
-            ahead = _lower_ahead(analysis, [worthy[i][0] for i in batch], options)
+            with judge.timing():
+                ahead = _lower_ahead(analysis, [worthy[i][0] for i in batch], options)
             try:
                 for i in batch:
                     if not beaten(i):
@@ -970,7 +972,8 @@ def _no_budget(
         return Choice(quickest, fastest, True, quickest.decision.note, time.perf_counter() - started, UNKNOWN)
     # The quickest plan's programs are lowered in forked children while this process searches for the
     # others (one core each): 6.8 s of the benchmark GPT-2's no-budget compile, on both cores, before.
-    behind = _lower_ahead(analysis, [first], options, here=False) if worth > 0 else []
+    with judge.timing():  # its programs are built here: lowering, not search
+        behind = _lower_ahead(analysis, [first], options, here=False) if worth > 0 else []
     handed: list[str] = []
     try:
         within = f"within {options.time_slack:.0%} of the fastest plan's estimated step time"

@@ -130,3 +130,28 @@ def test_the_bound_is_never_above_the_programs_peak_and_skipping_keeps_the_plan(
         every.fastest_peak,
         every.accumulating_peak,
     )
+
+
+def test_programs_are_built_inside_the_lowering_time(monkeypatch):
+    """Building a candidate's programs (for its bound, or to hand them to a child) is part of lowering it, as
+    in ``planner.lower``: the plan's ``lower`` seconds count it, never its search seconds (docs/PLANNING_TIME.md)."""
+    judges: list[planner._Judge] = []
+    real_init = planner._Judge.__init__
+
+    def init(self, analysis, options):
+        real_init(self, analysis, options)
+        judges.append(self)
+
+    outside: list[int] = []
+    real_build = planner._build_programs
+
+    def build(analysis, decision, options):
+        if not any(j._depth for j in judges):
+            outside.append(len(decision.kept))
+        return real_build(analysis, decision, options)
+
+    monkeypatch.setattr(planner._Judge, "__init__", init)
+    monkeypatch.setattr(planner, "_build_programs", build)
+    plan = _explain("wide")
+    assert judges and plan.pass_seconds["lower"] > 0
+    assert not outside, f"{len(outside)} candidates' programs built outside the lowering time"
