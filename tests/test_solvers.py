@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fxremat.solvers import SOLVERS, get_solver, schedule, solve
 from fxremat.solvers.ilp import solve_ilp
 from fxremat.solvers.mincut import solve_mincut
-from fxremat.solvers.registry import WITHIN_RESOLUTION, WITHIN_ROUNDS, solve_within
+from fxremat.solvers.registry import WITHIN_GREEDY_SHARE, WITHIN_RESOLUTION, WITHIN_ROUNDS, solve_within
 from fxremat.solvers.policies import keep_layer_inputs, solve_per_layer, solve_sqrt_n
 from fxremat.solvers.rules import rules
 from fxremat.solvers.types import BACKWARD, FORWARD, Decision, RematProblem, SolveOptions
@@ -478,7 +478,7 @@ def test_solve_within_finds_the_least_peak_within_the_slack(p, data):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.data())
 def test_solve_within_searches_below_the_least_cut_only_when_that_cut_fits_the_slack(p, data):
-    """The greedy search below min-cut's sweep (up to GREEDY_MAX_WORK simulations: 13 of the 21 s a
+    """The greedy search below min-cut's sweep (up to a share of GREEDY_MAX_WORK: 13 of the 21 s a
     32-layer Llama-3-8B shape's no-budget search took) only moves the bisection's lower end unless the
     least cut is within the slack, where a lower peak could be the answer."""
     from unittest import mock
@@ -491,15 +491,19 @@ def test_solve_within_searches_below_the_least_cut_only_when_that_cut_fits_the_s
     assume(slack > fastest.recompute_seconds)
     least_cut = solve_mincut(p, 1, OPTIONS, search_below=False)
     searched: list[int | None] = []
+    shares: list[float] = []
     real = mincut.least_peak_search
 
     def counted(problem, budget, *args, **kwargs):
         searched.append(budget)
+        shares.append(kwargs.get("share", 1.0))
         return real(problem, budget, *args, **kwargs)
 
     with mock.patch.object(mincut, "least_peak_search", counted):
         d = solve_within(p, slack, "mincut", OPTIONS, fastest)
     assert_valid(p, d)
+    # The lower end's search gets a share of the work (WITHIN_GREEDY_SHARE): a bracket, not the least plan.
+    assert all(share == WITHIN_GREEDY_SHARE < 1 for share in shares)
     assert d.recompute_seconds <= slack + 1e-12 and d.peak_bytes <= fastest.peak_bytes
     below_the_sweep = 1 in searched
     if least_cut.feasible:  # budget 1 met by a cut: there is nothing below the sweep to search

@@ -110,9 +110,10 @@ GREEDY_MAX_WORK = 1_500_000
 GREEDY_MIN_EVALS = 100
 
 
-def greedy_max_evals(problem: RematProblem) -> int:
-    """How many simulations the greedy least-peak search may run on ``problem``."""
-    return max(GREEDY_MIN_EVALS, GREEDY_MAX_WORK // max(1, len(problem.names)))
+def greedy_max_evals(problem: RematProblem, share: float = 1.0) -> int:
+    """How many simulations the greedy least-peak search may run on ``problem`` with ``share`` of
+    ``GREEDY_MAX_WORK``."""
+    return max(GREEDY_MIN_EVALS, int(share * GREEDY_MAX_WORK) // max(1, len(problem.names)))
 
 
 # The two halves of a split forward value.
@@ -398,7 +399,12 @@ class _Sweep:
 
 
 def least_peak_search(
-    problem: RematProblem, budget: int | None, starts, solver: str = "mincut", deadline: Deadline | None = None
+    problem: RematProblem,
+    budget: int | None,
+    starts,
+    solver: str = "mincut",
+    deadline: Deadline | None = None,
+    share: float = 1.0,
 ) -> tuple[Decision, str]:
     """Search for a plan that fits (else the least peak), when the usual candidates did not fit.
 
@@ -416,6 +422,7 @@ def least_peak_search(
         solver: name recorded in the decisions.
         deadline: the safety net of the enclosing solve; None: a new one from
             the default ``SolveOptions``.
+        share: the share of ``GREEDY_MAX_WORK`` the greedy search may use.
 
     Returns:
         (best decision found, how it was searched: "exhaustive least-peak
@@ -435,7 +442,7 @@ def least_peak_search(
             cands.judge([v for i, v in enumerate(choices) if mask >> i & 1], "exhaustive")
         return cands.best(), "exhaustive least-peak search"
     current = cands.best()
-    evals, most = 0, greedy_max_evals(problem)
+    evals, most = 0, greedy_max_evals(problem, share)
     improved, capped = True, False
     moves = sorted(choices, key=lambda v: (-problem.nbytes[problem.storage[v]], v))  # big values first
     while improved and not current.feasible and not capped:
@@ -451,7 +458,8 @@ def least_peak_search(
                 current, improved = d, True
                 if current.feasible:
                     break
-    limit = f" stopped at its limit of {most} simulations (GREEDY_MAX_WORK)" if capped else ""
+    work = "GREEDY_MAX_WORK" if share == 1 else f"{share:g} of GREEDY_MAX_WORK"
+    limit = f" stopped at its limit of {most} simulations ({work})" if capped else ""
     return cands.best(), f"{_GREEDY}{limit}"
 
 
@@ -473,6 +481,7 @@ def solve_mincut(
     *,
     deadline: Deadline | None = None,
     search_below: bool = True,
+    greedy_share: float = 1.0,
 ) -> Decision:
     """Choose kept values by a sweep of min cuts, judged by the liveness simulation.
 
@@ -497,6 +506,7 @@ def solve_mincut(
         search_below: when no cut fits, run ``least_peak_search`` (up to
             ``GREEDY_MAX_WORK`` of simulation); False: return the sweep's
             least-peak candidate, a bracket for ``solve_within``'s bisection.
+        greedy_share: the share of ``GREEDY_MAX_WORK`` that search may use.
 
     Returns:
         The decision (``solver="mincut"``); ``feasible=False`` with the least
@@ -528,7 +538,7 @@ def solve_mincut(
     note = result.note
     if not result.feasible and search_below:
         starts = sorted(cands.seen, key=lambda k: rank(cands.seen[k]))[:1]
-        result, how = least_peak_search(problem, budget, starts, deadline=deadline)
+        result, how = least_peak_search(problem, budget, starts, deadline=deadline, share=greedy_share)
         note = f"{_NO_CUT_FITS}; {how}: {result.note}"
     elif not result.feasible:
         note = f"{_NO_CUT_FITS}; the sweep's least peak: {result.note}"
