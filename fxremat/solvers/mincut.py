@@ -111,9 +111,9 @@ GREEDY_MIN_EVALS = 100
 
 
 def greedy_max_evals(problem: RematProblem, share: float = 1.0) -> int:
-    """How many simulations the greedy least-peak search may run on ``problem`` with ``share`` of
-    ``GREEDY_MAX_WORK``."""
-    return max(GREEDY_MIN_EVALS, int(share * GREEDY_MAX_WORK) // max(1, len(problem.names)))
+    """How many simulations the greedy least-peak search may run on ``problem`` with ``share`` of its
+    work (``GREEDY_MAX_WORK``, and of its floor ``GREEDY_MIN_EVALS``)."""
+    return max(int(share * GREEDY_MIN_EVALS), int(share * GREEDY_MAX_WORK) // max(1, len(problem.names)))
 
 
 # The two halves of a split forward value.
