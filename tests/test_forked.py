@@ -153,6 +153,28 @@ def test_this_process_lowers_the_first_share_and_a_child_the_rest(monkeypatch, f
     assert inductor_memory.start_lowering(programs) == []  # all kept now
 
 
+def test_a_child_that_has_answered_frees_its_worker(monkeypatch, forking):
+    """A child whose answer is ready holds no core: its events are kept when more programs are handed out,
+    and a new child lowers them (before, it counted as busy until its events were asked for, and every
+    program was lowered in this process meanwhile)."""
+    first = [(_pointwise((2, 3, n)), False, None, None) for n in (8,)]
+    more = [(_pointwise((2, 3, n)), False, None, None) for n in (9, 10)]
+    here = [inductor_memory.inductor_program_events(gm, is_backward=False) for gm, *_ in first + more]
+    inductor_memory.forget_programs()
+    started = _forks_counted(monkeypatch)
+    handed = inductor_memory.start_lowering(first, here=False)
+    assert len(handed) == 1
+    deadline = time.perf_counter() + 60
+    while not inductor_memory.lowerings_answered(handed) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert inductor_memory.lowerings_answered(handed)
+    assert len(inductor_memory.start_lowering(more, here=False)) == 2  # the worker is free again
+    assert len(started) == 2
+    assert not set(handed) & set(inductor_memory._PENDING)  # the first child's events were kept
+    events = [inductor_memory.program_events(gm, is_backward=False) for gm, *_ in first + more]
+    assert events == here
+
+
 def test_a_process_with_other_work_hands_every_share_to_a_child(monkeypatch, forking):
     """``here=False`` (this process searches meanwhile): the one worker beside it takes all the programs."""
     programs = [(_pointwise((2, 3, n)), False, None, None) for n in (8, 9)]
