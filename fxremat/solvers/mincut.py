@@ -422,7 +422,8 @@ def least_peak_search(
         solver: name recorded in the decisions.
         deadline: the safety net of the enclosing solve; None: a new one from
             the default ``SolveOptions``.
-        share: the share of ``GREEDY_MAX_WORK`` the greedy search may use.
+        share: the share of its work (``GREEDY_MAX_WORK``, and of its floor
+            ``GREEDY_MIN_EVALS``) the greedy search may use.
 
     Returns:
         (best decision found, how it was searched: "exhaustive least-peak
@@ -506,7 +507,8 @@ def solve_mincut(
         search_below: when no cut fits, run ``least_peak_search`` (up to
             ``GREEDY_MAX_WORK`` of simulation); False: return the sweep's
             least-peak candidate, a bracket for ``solve_within``'s bisection.
-        greedy_share: the share of ``GREEDY_MAX_WORK`` that search may use.
+        greedy_share: the share of its work that search may use
+            (``greedy_max_evals``).
 
     Returns:
         The decision (``solver="mincut"``); ``feasible=False`` with the least

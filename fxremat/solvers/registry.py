@@ -80,14 +80,15 @@ AUTO_MILP_ROUNDS = 10
 # peak (on the benchmark GPT-2: 106 MiB between the two, 5 rounds reach 3.3 MiB).
 WITHIN_ROUNDS = 6
 WITHIN_RESOLUTION = 0.02
-# The share of ``mincut.GREEDY_MAX_WORK`` (and of its floor, ``GREEDY_MIN_EVALS``) the greedy search
-# below min-cut's sweep may use for ``solve_within``'s lower end. On the Llama-3-8B shape's joint graphs under Inductor (2, 8 and 32
-# layers) that search never lowered the sweep's least peak: its flips only cut recompute at that
-# peak, all of it by its 104th simulation of 806 (8 layers). With a quarter of the work
-# ``solve_within`` answers the same peak and estimated recompute (the same kept sets at 2 and 32
-# layers, one of equal peak and time at 8; the same at 80 layers of the Llama-3-70B shape) in less
-# time (32 layers: 4.6 -> 2.2 s; 8 layers: 3.1 -> 1.3 s; 80 layers, where the floor of 100
-# simulations bound: 8.2 -> 3.9 s). The budgeted least plan's search keeps the whole: it is what that search is for.
+# The share of ``mincut.GREEDY_MAX_WORK`` (and of its floor, ``GREEDY_MIN_EVALS``) the greedy
+# search below min-cut's sweep may use for ``solve_within``'s lower end. On the Llama-3-8B shape's
+# joint graphs under Inductor (2, 8 and 32 layers) that search never lowered the sweep's least
+# peak: its flips only cut recompute at that peak, all of it by its 104th simulation of 806 (8
+# layers). With a quarter of the work ``solve_within`` answers the same peak and estimated
+# recompute (the same kept sets at 2 and 32 layers, one of equal peak and time at 8; the same at
+# the Llama-3-70B shape's 80) in less time (32 layers: 4.6 -> 2.2 s; 8 layers: 3.1 -> 1.3 s; 80
+# layers, where the floor of 100 simulations bound: 8.2 -> 3.9 s). The budgeted least plan's
+# search keeps the whole: it is what that search is for.
 WITHIN_GREEDY_SHARE = 0.25
 
 
