@@ -280,45 +280,6 @@ def extract_programs(
     return fw, bw
 
 
-# ------------------------------------------------------------ Inductor's CPU check, ahead of need
-
-# Inductor checks once per process which vector instruction sets the CPU's compiler can build and
-# load: it compiles and loads a small C++ library per candidate set (``cpu_vec_isa.valid_vec_isa_list``,
-# cached in the process). With an empty kernel cache that was 9-11 s of the first dry lowering, paid
-# again by each forked child lowering beside it (benchmark Llama: the first forward lowered in 14.6 s,
-# the next ones in 1.0-1.5 s). Mostly a compiler's subprocesses, it runs in a thread while this process
-# traces the graph; the children forked after it inherit its answer.
-_CPU_ISA_CHECK: list = []
-
-
-def check_cpu_isa_ahead() -> None:
-    """Start Inductor's check of the CPU's vector instruction sets in a thread, once per process, unless
-    it is done (``cpu_isa_checked`` waits for it)."""
-    from torch._inductor import cpu_vec_isa
-
-    if _CPU_ISA_CHECK or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
-        return
-
-    def check() -> None:
-        try:
-            cpu_vec_isa.valid_vec_isa_list()
-        except Exception:  # noqa: BLE001 - the first lowering that needs it checks again and says why
-            pass
-
-    import threading
-
-    thread = threading.Thread(target=check, name="fxremat-cpu-isa-check", daemon=True)
-    _CPU_ISA_CHECK.append(thread)
-    thread.start()
-
-
-def cpu_isa_checked() -> None:
-    """Wait for the check ``check_cpu_isa_ahead`` started, if any (before a lowering needs its answer, and
-    before forking children that lower: they inherit it)."""
-    if _CPU_ISA_CHECK:
-        _CPU_ISA_CHECK[0].join()
-
-
 # ------------------------------------------------------------ graph breaks (graph_breaks.py)
 
 
@@ -522,7 +483,6 @@ def inductor_program_events(
 
     from .passes.oprun import op_call
 
-    cpu_isa_checked()
     gm = copy.deepcopy(gm)
     given = {n.name for n in gm.graph.nodes}
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]

@@ -27,9 +27,7 @@ from ._torch_compat import (
     BoxedCodeGen,
     CustomPartitionerFn,
     aot_autograd,
-    check_cpu_isa_ahead,
     compile_fx,
-    cpu_isa_checked,
     copy_dynamo_graph,
     frame_compiles,
     fusing_at_hints,
@@ -155,7 +153,6 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
     dry = program_compiler is not None
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> TrackedGraph:
-        checking_cpu_ahead(options, example_inputs)
         sizes = fixing_sizes(gm, example_inputs) if options.budget is not None else None
         # A budget a plan capped at these sizes cannot meet may still be met at these sizes alone:
         # Inductor's program for symbolic sizes can hold more at once (its schedule differs).
@@ -243,21 +240,10 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.
             patches["allow_buffer_reuse"] = False
         inner = fusing_at_hints(handing_over(program_compiler or _keyed_by_program(compile_fx.compile_fx_inner)))
-        cpu_isa_checked()  # its answer is needed now, and a second check beside it would be wasted
         with no_autograd_cache():
             return compile_fx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile_graph
-
-
-def checking_cpu_ahead(options: Options, tensors) -> None:
-    """Under Inductor, a step on the CPU has Inductor's check of the CPU's vector instruction sets started
-    in a thread now, while the graph is traced and planned, instead of inside the first lowering
-    (``_torch_compat.check_cpu_isa_ahead``)."""
-    if options.inner != "inductor":
-        return
-    if all(t.device.type in ("cpu", "meta") for t in tensors if isinstance(t, torch.Tensor)):
-        check_cpu_isa_ahead()
 
 
 def fixing_sizes(gm: fx.GraphModule, example_inputs) -> str | None:

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ._torch_compat import FakeTensor, FakeTensorMode, tree_leaves, tree_map
-from .backend import build_compiler, checking_cpu_ahead
+from .backend import build_compiler
 from .options import Options
 from .plan import Plan
 from .planner import USER_OUTPUTS, watch
@@ -202,7 +202,6 @@ def _plan(model_or_fn, args, options: Options) -> list[Plan]:
     """Run Dynamo, AOTAutograd and the planner on a dry step; return the plans made."""
     params = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
     saved_grads = [p.grad for p in params]
-    checking_cpu_ahead(options, _tensors(model_or_fn, args))  # beside Dynamo's trace
     try:
         with watch() as planned:
             compiled = torch.compile(_fresh_entry(), backend=build_compiler(options, _dry_compiler))

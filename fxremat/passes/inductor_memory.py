@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._torch_compat import FakeTensor, compiler_config_digest, cpu_isa_checked, inductor_program_events
+from .._torch_compat import FakeTensor, compiler_config_digest, inductor_program_events
 from .forked import Child, fork_call, workers
 from .hand_over import GRAD_INPUT
 from .invariants import outputs_of, storage_of
@@ -399,7 +399,6 @@ def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -
             todo.setdefault(key, program)
     if len(todo) < (2 if here else 1):
         return []
-    cpu_isa_checked()  # the children inherit its answer instead of each checking again
     keys = list(todo)
     forwards = {id(todo[k][0]): k for k in keys if not todo[k][1]}  # for a backward's forward in a share
     shares = _shares([len(todo[k][0].graph.nodes) for k in keys], min(free + (1 if here else 0), len(keys)))
