@@ -384,7 +384,8 @@ def start_lowering(programs: list[Program], here: bool = True, extra: int = 0) -
     """
     # A child that has answered holds no core: its events are kept now, and it is not counted (the
     # quickest plan's child, collected only after the candidates when it had not answered before them,
-    # kept every candidate's programs in this process: one core idle for 6 s of benchmark Llama's 15).
+    # kept every candidate's programs in this process: one core idle for 6 s of benchmark Llama's 15;
+    # end to end no change was measurable within this host's noise, docs/PLANNING_TIME.md).
     for answered in [k for k, (child, _) in _PENDING.items() if child.answered()]:
         if answered in _PENDING:
             _collect(answered)
