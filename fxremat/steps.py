@@ -31,7 +31,7 @@ from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, dynamo
 from .budget import BudgetError, format_bytes
 from .grads import on_hand_over
 from .options import Options
-from .passes.chunk_loss import is_head_gradient
+from .passes.chunk_loss import find_loss_sites, is_head_gradient
 from .plan import Plan
 from .compile_scope import remembering, vetoing
 
@@ -52,6 +52,15 @@ log = logging.getLogger("fxremat")
 # (but the caller had dropped) are at least this share of the budget: below it the
 # plan would barely change and a recompile is not worth its time.
 REPLAN_MIN_SHARE = 0.01
+
+# A least plan (``on_infeasible="min"``, the budget out of reach) of a graph that returns its loss is
+# planned for callers that drop its other outputs before the backward (`model(**batch).loss`,
+# transformers.Trainer), checked at the first backward, where one of them is at least this large
+# (the logits): planned with them alive, the second step planned and compiled it again once it saw
+# them dropped (the benchmark GPT-2: 49.6 s of its least plan's 136.5 s to the plan that stays).
+# Graphs whose loss the caller computes from the outputs (which it may hold through the backward,
+# as `.square().mean()` does) and small outputs are planned with them alive, as other plans are.
+LEAST_DROPPED_MIN_BYTES = 64 << 10
 
 
 def _replan_bytes(budget: int | None, plan: Plan) -> int:
@@ -719,7 +728,9 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
     until the first backward; the plan assumes it does (an upper bound). When a
     budget is out of reach that way but within reach with the outputs dropped
     before the backward (the ``model(x).loss`` idiom, ``transformers.Trainer``),
-    the graph is planned for that, and the first backward checks it.
+    the graph is planned for that, and the first backward checks it. Out of reach
+    both ways, with ``on_infeasible="min"``: the least plan (``_least``), planned
+    at once where an output alone is over the budget.
     """
     if options.release_outputs is not None or graph.source is None:
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
@@ -730,6 +741,12 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         dropped = dataclasses.replace(options, release_outputs=True)
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
         return _planned_released(graph, options, "the caller of another graph of this model drops its outputs")
+    floor = _allocated_output_bytes(graph.source)
+    if options.on_infeasible == "min" and options.budget is not None and options.budget - options.reserve < floor:
+        # No plan peaks below an output the forward allocates: the least plan at once, without first
+        # planning the refusal that a plan under the budget would need (GPT-2 with budget=1: 11.5 s).
+        why = f"an output it returns ({format_bytes(floor)}) is over the budget alone: the least-memory plan"
+        return _least(graph, gm, example_inputs, options, floor, why)
     try:
         first = dataclasses.replace(options, on_infeasible="error")
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, first)
@@ -741,10 +758,13 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         if held_error.__suppress_context__:
             held_error.__context__ = None  # hidden by `raise ... from None`, and it holds its own traceback
     # Dropping the outputs frees at most their bytes: when even that cannot reach the budget,
-    # planning the graph that way again is wasted time (a scalar loss's graph, for one).
+    # planning the graph that way again is wasted time (a scalar loss's graph, for one). Not with a
+    # loss that can be chunked: its least plans with the outputs alive and dropped differed by more
+    # than the outputs (the quickstart's GPT-2: 2.79 and 1.47 MiB, 1.16 MiB of outputs).
     outputs = _output_bytes(graph.source)
     released_least = None
-    if held_error.least_peak - outputs <= held_error.budget:
+    chunkable = options.chunk_loss != "off" and bool(find_loss_sites(graph.source))
+    if held_error.least_peak - outputs <= held_error.budget or chunkable:
         dropped = dataclasses.replace(options, release_outputs=True, on_infeasible="error")
         try:
             graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, dropped)
@@ -760,9 +780,50 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         # What planning with the user's options raises, saying what other callers would need.
         error = _with_released(held_error, outputs, released_least)
         raise _with_grads(error, sum(_leaves(example_inputs).values()), options)
-    # Out of reach either way: the user's choice, with the outputs alive (an upper bound).
-    graph.compiled, graph.plan = graph.compile_graph(copy_dynamo_graph(graph.source), example_inputs, options)
-    return options
+    # Out of reach either way: the user's choice, its least plan.
+    why = f"the budget is out of reach (least peak {format_bytes(held_error.least_peak)}): the least-memory plan"
+    return _least(graph, copy_dynamo_graph(graph.source), example_inputs, options, floor, why)
+
+
+def _least(
+    graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options, floor: int, why: str
+) -> Options:
+    """Compile the least plan of a graph whose budget is out of reach (``on_infeasible="min"``): for
+    callers that drop the outputs before the backward when it returns its loss and an output of
+    ``LEAST_DROPPED_MIN_BYTES`` (``floor``: its largest), checked at the first backward; else with them
+    alive (an upper bound)."""
+    if floor < LEAST_DROPPED_MIN_BYTES or not _returns_loss(gm):
+        graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
+        return options
+    dropped = dataclasses.replace(options, release_outputs=True)
+    graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
+    return _planned_released(graph, options, why)
+
+
+def _returns_loss(gm: torch.fx.GraphModule) -> bool:
+    """Whether one of the graph's outputs is a differentiable scalar (its loss), from Dynamo's example values."""
+    return any(
+        isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point() and _numel(v) == 1
+        for v in _output_values(gm)
+    )
+
+
+def _allocated_output_bytes(gm: torch.fx.GraphModule) -> int:
+    """The largest output the graph allocates (neither an input nor a view), from Dynamo's example values:
+    every plan's forward holds it when it returns, so none peaks below it. 0 where sizes are symbolic."""
+    inputs = {id(n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")}
+    sizes = [
+        _numel(v) * v.element_size()
+        for v in _output_values(gm)
+        if isinstance(v, torch.Tensor) and id(v) not in inputs and not v._is_view()
+    ]
+    return max(sizes, default=0)
+
+
+def _numel(v: torch.Tensor) -> int:
+    """Elements of ``v``; 0 where its size is symbolic (no guard on it)."""
+    n = v.numel()
+    return n if isinstance(n, int) else 0
 
 
 def _with_released(error: BudgetError, outputs: int, released_least: int | None) -> BudgetError:

@@ -37,7 +37,7 @@ def _compile(model, **options):
 def _budget(model, x) -> int:
     """Halfway between the least and the fastest plan, outputs counted as alive (the default)."""
     fastest = fxremat.explain(model, x, inner="eager", time_slack=0)
-    least = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min")
+    least = fxremat.explain(model, x, inner="eager", budget=1, on_infeasible="min", release_outputs=False)
     return (fastest.predicted_peak + least.predicted_peak) // 2
 
 
@@ -285,3 +285,79 @@ def test_calls_are_not_logged_forever_without_a_budget():
     for _ in range(200):
         compiled(x)[0].backward()
     assert len(steps._CALLS) <= 64, len(steps._CALLS)
+
+
+def _choose_calls(monkeypatch) -> list[int]:
+    from fxremat import planner
+
+    calls: list[int] = []
+    choose = planner.choose
+    monkeypatch.setattr(planner, "choose", lambda *a, **k: calls.append(1) or choose(*a, **k))
+    return calls
+
+
+def test_a_least_plan_is_planned_once_for_a_caller_that_drops_the_logits(monkeypatch):
+    """budget=1: no plan can fit (the graph returns 2 MiB of logits), so the least plan is planned at
+    once, without the refusal first, and for the `.loss` idiom: not planned and compiled again at the
+    second step once it shows the logits dropped."""
+    torch.manual_seed(0)
+    base, x = WithLogits(), torch.randn(256, 64)
+    with pytest.warns(UserWarning):
+        dropped = fxremat.explain(base, x, inner="eager", budget=1, on_infeasible="min", release_outputs=True)
+        held = fxremat.explain(base, x, inner="eager", budget=1, on_infeasible="min", release_outputs=False)
+    assert dropped.predicted_peak < held.predicted_peak
+    calls = _choose_calls(monkeypatch)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_loss = ref(x)[0]
+    ref_loss.backward()
+    compiled = _compile(model, budget=1, on_infeasible="min")
+    with pytest.warns(UserWarning, match="least-memory plan"):
+        loss = compiled(x)[0]
+    loss.backward()
+    compare(ref, ref_loss, model, loss)
+    assert len(calls) == 1  # planned once: the refusal was not planned first
+    [plan] = fxremat.plans()
+    assert plan.predicted_peak == dropped.predicted_peak
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)  # as the optimizer leaves them: .grad made again
+        compiled(x)[0].backward()
+
+    measured = fxremat.measure(step, reps=1, warmup=1)
+    assert fxremat.plans() == [plan] and len(calls) == 1  # the later steps ran the same plan
+    assert measured.peak_bytes <= dropped.predicted_peak + 64, (measured.peak_bytes, dropped.predicted_peak)
+
+
+def test_a_least_plan_whose_caller_keeps_the_logits_is_planned_again_with_them_alive():
+    torch.manual_seed(0)
+    compiled = _compile(WithLogits(), budget=1, on_infeasible="min")
+    x = torch.randn(256, 64)
+    with pytest.warns(UserWarning, match="least-memory plan"):
+        loss, logits = compiled(x)
+    with pytest.warns(UserWarning, match="keeps .* of outputs alive through the backward"):
+        loss.backward()
+    del logits
+    with pytest.warns(UserWarning, match="least-memory plan"):
+        loss, logits = compiled(x)  # planned again with the outputs alive
+    loss.backward()
+    first, second = fxremat.plans()
+    assert second.predicted_peak > first.predicted_peak
+    assert len(fxremat.plans()) == 2
+
+
+def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_outputs_alive():
+    """`.square().mean()` holds the graph's output through the backward: its least plan counts it alive
+    from the first step, as before (no warning that the plan took it as dropped)."""
+    torch.manual_seed(0)
+    base, x = _mlp(), torch.randn(512, 128)
+    model = copy.deepcopy(base)
+    compiled = _compile(model, budget=1, on_infeasible="min")
+    import warnings
+
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            compiled(x).square().mean().backward()
+        assert not [w for w in seen if "took as dropped" in str(w.message)]
+    assert not any("drop" in p.note for p in fxremat.plans())
