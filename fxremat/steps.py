@@ -676,6 +676,12 @@ def _compile_alone(
     loss inside, and the first backward decides.
     """
     room = _caller_room(gm, options) if caller_room and graph.source is not None and not graph.user_reserve else 0
+    if (
+        room
+        and options.on_infeasible == "min"
+        and (options.budget or 0) - options.reserve < _allocated_output_bytes(gm)
+    ):
+        room = 0  # no plan fits, with the room or without: planned for the least plan at once (_plan_alone)
     if room:
         roomy = dataclasses.replace(options, reserve=options.reserve + room, on_infeasible="error")
         try:

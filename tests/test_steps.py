@@ -345,19 +345,23 @@ def test_a_least_plan_whose_caller_keeps_the_logits_is_planned_again_with_them_a
     assert len(fxremat.plans()) == 2
 
 
-def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_outputs_alive():
+def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_outputs_alive(monkeypatch):
     """`.square().mean()` holds the graph's output through the backward: its least plan counts it alive
-    from the first step, as before (no warning that the plan took it as dropped)."""
+    from the first step, as before (no warning that the plan took it as dropped). Planned once at the
+    first step: neither the room for the caller's loss nor the refusal is planned first."""
     torch.manual_seed(0)
     base, x = _mlp(), torch.randn(512, 128)
     model = copy.deepcopy(base)
+    calls = _choose_calls(monkeypatch)
     compiled = _compile(model, budget=1, on_infeasible="min")
     import warnings
 
-    for _ in range(2):
+    for step in range(2):
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             compiled(x).square().mean().backward()
         assert not [w for w in seen if "took as dropped" in str(w.message)]
+        if step == 0:
+            assert len(calls) == 1
     assert not any("drop" in p.note for p in fxremat.plans())
