@@ -815,15 +815,20 @@ def _returns_loss(gm: torch.fx.GraphModule) -> bool:
 
 
 def _allocated_output_bytes(gm: torch.fx.GraphModule) -> int:
-    """The largest output the graph allocates (neither an input nor a view), from Dynamo's example values:
-    every plan's forward holds it when it returns, so none peaks below it. 0 where sizes are symbolic."""
-    inputs = {id(n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder")}
+    """The largest storage the graph allocates and returns (an output, or the tensor an output views, but
+    no input's), from Dynamo's example values: every plan's forward holds it when it returns, so none
+    peaks below it. 0 where sizes are symbolic."""
+    inputs = {
+        StorageWeakRef(v.untyped_storage())
+        for v in (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
+        if isinstance(v, torch.Tensor)
+    }
     sizes = [
-        _numel(v) * v.element_size()
+        v.untyped_storage().nbytes()
         for v in _output_values(gm)
-        if isinstance(v, torch.Tensor) and id(v) not in inputs and not v._is_view()
+        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in inputs
     ]
-    return max(sizes, default=0)
+    return max((n for n in sizes if isinstance(n, int)), default=0)
 
 
 def _numel(v: torch.Tensor) -> int:

@@ -365,3 +365,27 @@ def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_output
         if step == 0:
             assert len(calls) == 1
     assert not any("drop" in p.note for p in fxremat.plans())
+
+
+def test_the_least_any_plan_holds_is_the_largest_storage_the_graph_allocates_and_returns():
+    """A view of a value the graph makes counts (BERT's logits are one), an input or a view of one does not."""
+    captured: list = []
+
+    def backend(gm, example_inputs):
+        captured.append(gm)
+        return gm.forward
+
+    weight = nn.Parameter(torch.randn(64, 32))
+
+    def fn(x):
+        logits = (x @ weight).view(8, 4, 32)  # 4 KiB made here, returned as a view
+        return logits.logsumexp(-1).mean(), logits, x, weight.t()
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=backend)(torch.randn(32, 64))
+    finally:
+        torch._dynamo.reset()
+    [gm] = captured
+    assert steps._allocated_output_bytes(gm) == 32 * 32 * 4
+    assert steps._returns_loss(gm)
