@@ -1067,6 +1067,16 @@ def _note_caller(graph: TrackedGraph, grad, call: _Call) -> None:
         return
     graph.caller_checked = True
     reserve = CALLER_RESERVE * handed
+    if not plan.feasible:
+        # The least plan runs (the budget out of reach): with room reserved it would be the same plan,
+        # compiled again (timm's resnet18 with budget=1: a second plan and compile at its second step).
+        log.info(
+            "fxremat %s: the caller computed on its outputs before the backward (%s of gradients handed back); "
+            "the least-memory plan already runs, so no room is reserved for it",
+            plan.graph,
+            format_bytes(handed),
+        )
+        return
     warnings.warn(
         f"fxremat {plan.graph}: the caller computed on its outputs before the backward (it handed back "
         f"{format_bytes(handed)} of gradients: a loss computed outside the compiled model); what it allocates there "

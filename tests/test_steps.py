@@ -347,8 +347,9 @@ def test_a_least_plan_whose_caller_keeps_the_logits_is_planned_again_with_them_a
 
 def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_outputs_alive(monkeypatch):
     """`.square().mean()` holds the graph's output through the backward: its least plan counts it alive
-    from the first step, as before (no warning that the plan took it as dropped). Planned once at the
-    first step: neither the room for the caller's loss nor the refusal is planned first."""
+    from the first step, as before (no warning that the plan took it as dropped). Planned once: neither
+    the room for the caller's loss nor the refusal is planned first, and the caller's loss, seen at the
+    first backward, does not have it planned again with room reserved (the least plan is the same)."""
     torch.manual_seed(0)
     base, x = _mlp(), torch.randn(512, 128)
     model = copy.deepcopy(base)
@@ -361,10 +362,13 @@ def test_a_least_plan_of_a_graph_whose_loss_the_caller_computes_keeps_its_output
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             compiled(x).square().mean().backward()
-        assert not [w for w in seen if "took as dropped" in str(w.message)]
+        assert not [w for w in seen if "took as dropped" in str(w.message) or "exceed" in str(w.message)]
         if step == 0:
             assert len(calls) == 1
-    assert not any("drop" in p.note for p in fxremat.plans())
+    # Not planned again with room for the caller's loss either: the least plan would not change. (It is
+    # planned again once, with the output released: `.square()`'s backward, the first to run, frees it.)
+    plans = fxremat.plans()
+    assert all(p.reserved_bytes == 0 and not p.feasible for p in plans) and "drop" not in plans[0].note
 
 
 def test_the_least_any_plan_holds_is_the_largest_storage_the_graph_allocates_and_returns():
