@@ -751,7 +751,7 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
     if options.on_infeasible == "min" and options.budget is not None and options.budget - options.reserve < floor:
         # No plan peaks below an output the forward allocates: the least plan at once, without first
         # planning the refusal that a plan under the budget would need (GPT-2 with budget=1: 11.5 s).
-        why = f"an output it returns ({format_bytes(floor)}) is over the budget alone: the least-memory plan"
+        why = f"its outputs ({format_bytes(floor)} the largest) are over the budget alone: the least-memory plan"
         return _least(graph, gm, example_inputs, options, floor, why)
     try:
         first = dataclasses.replace(options, on_infeasible="error")
@@ -787,7 +787,10 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         error = _with_released(held_error, outputs, released_least)
         raise _with_grads(error, sum(_leaves(example_inputs).values()), options)
     # Out of reach either way: the user's choice, its least plan.
-    why = f"the budget is out of reach (least peak {format_bytes(held_error.least_peak)}): the least-memory plan"
+    why = (
+        f"the budget is out of reach with its outputs alive or dropped (least peak {format_bytes(held_error.least_peak)} "
+        "alive): the least-memory plan"
+    )
     return _least(graph, copy_dynamo_graph(graph.source), example_inputs, options, floor, why)
 
 
@@ -982,10 +985,13 @@ def _watch(out, args, graph: TrackedGraph) -> None:
             if alive >= _replan_bytes(options.budget, plan):
                 graph.assumed_released = False
                 _DROPPED_BY_CALLER.discard(graph.parameters)
+                # A least plan (the budget out of reach) is over the budget anyway: its own prediction is what
+                # the kept outputs go above.
+                above = f"the budget {format_bytes(options.budget)}" if plan.feasible else "its prediction"
                 warnings.warn(
                     f"fxremat {plan.graph}: the caller keeps {format_bytes(alive)} of outputs alive through the "
                     f"backward, which this plan took as dropped: this step can peak up to {format_bytes(alive)} "
-                    f"above the budget {format_bytes(options.budget)}; planning it again on its next call",
+                    f"above {above}; planning it again on its next call",
                     stacklevel=2,
                 )
                 graph.ask("its outputs stay alive through the backward", release_outputs=False)
