@@ -676,16 +676,13 @@ def _compile_alone(
     loss inside, and the first backward decides.
     """
     room = _caller_room(gm, options) if caller_room and graph.source is not None and not graph.user_reserve else 0
-    if (
-        room
-        and options.on_infeasible == "min"
-        and (options.budget or 0) - options.reserve < _allocated_output_bytes(gm)
-    ):
+    floor = _allocated_output_bytes(gm) if options.budget is not None else 0
+    if room and _out_of_reach_at_once(options, floor):
         room = 0  # no plan fits, with the room or without: planned for the least plan at once (_plan_alone)
     if room:
         roomy = dataclasses.replace(options, reserve=options.reserve + room, on_infeasible="error")
         try:
-            planned = _plan_alone(graph, gm, example_inputs, roomy)
+            planned = _plan_alone(graph, gm, example_inputs, roomy, floor)
         except BudgetError as exc:
             log.warning(
                 "fxremat: the budget %s leaves no room for the %s a loss computed on the graph's outputs may "
@@ -708,7 +705,7 @@ def _compile_alone(
                     CALLER_RESERVE,
                 )
             return dataclasses.replace(planned, on_infeasible=options.on_infeasible)
-    return _plan_alone(graph, gm, example_inputs, options)
+    return _plan_alone(graph, gm, example_inputs, options, floor)
 
 
 def _caller_room(gm: torch.fx.GraphModule, options: Options) -> int:
@@ -719,15 +716,17 @@ def _caller_room(gm: torch.fx.GraphModule, options: Options) -> int:
     if options.budget is None:
         return 0
     grads = [v for v in _output_values(gm) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
-    if not grads or not all(isinstance(v.numel(), int) for v in grads):
-        return 0  # dynamic sizes: the first backward sizes the room from the gradient it is handed
-    if any(v.numel() == 1 for v in grads):
+    if not grads or _returns_loss(gm):
         return 0
+    if not all(isinstance(v.numel(), int) for v in grads):
+        return 0  # dynamic sizes: the first backward sizes the room from the gradient it is handed
     room = CALLER_RESERVE * sum(v.numel() * v.element_size() for v in grads)
     return room if room >= REPLAN_MIN_SHARE * options.budget else 0
 
 
-def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options) -> Options:
+def _plan_alone(
+    graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: list, options: Options, floor: int
+) -> Options:
     """``_compile_alone`` for one ``reserve``: the outputs alive through the backward, or dropped before it.
 
     Whether the caller keeps the outputs alive through the backward is unknown
@@ -736,7 +735,8 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
     before the backward (the ``model(x).loss`` idiom, ``transformers.Trainer``),
     the graph is planned for that, and the first backward checks it. Out of reach
     both ways, with ``on_infeasible="min"``: the least plan (``_least``), planned
-    at once where an output alone is over the budget.
+    at once where an output alone is over the budget (``floor``: the largest output
+    the graph allocates, ``_allocated_output_bytes``).
     """
     if options.release_outputs is not None or graph.source is None:
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
@@ -747,8 +747,7 @@ def _plan_alone(graph: TrackedGraph, gm: torch.fx.GraphModule, example_inputs: l
         dropped = dataclasses.replace(options, release_outputs=True)
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
         return _planned_released(graph, options, "the caller of another graph of this model drops its outputs")
-    floor = _allocated_output_bytes(graph.source)
-    if options.on_infeasible == "min" and options.budget is not None and options.budget - options.reserve < floor:
+    if _out_of_reach_at_once(options, floor):
         # No plan peaks below an output the forward allocates: the least plan at once, without first
         # planning the refusal that a plan under the budget would need (GPT-2 with budget=1: 11.5 s).
         why = f"its outputs ({format_bytes(floor)} the largest) are over the budget alone: the least-memory plan"
@@ -807,6 +806,12 @@ def _least(
     dropped = dataclasses.replace(options, release_outputs=True)
     graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
     return _planned_released(graph, options, why)
+
+
+def _out_of_reach_at_once(options: Options, floor: int) -> bool:
+    """Whether the least plan is planned at once: ``on_infeasible="min"`` and a budget (less the reserve)
+    below ``floor``, an output the graph allocates, which no plan can fit under."""
+    return options.on_infeasible == "min" and options.budget is not None and options.budget - options.reserve < floor
 
 
 def _returns_loss(gm: torch.fx.GraphModule) -> bool:
