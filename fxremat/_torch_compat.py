@@ -426,6 +426,60 @@ def fusing_at_hints(compile_inner: Callable) -> Callable:
     return compile_at_hints
 
 
+# ------------------------------------------------------------ Inductor's CPU check (backend.py, dry lowerings)
+
+# Inductor checks once per process which vector instruction sets the C++ compiler can build and load
+# (``cpu_vec_isa.valid_vec_isa_list``: a small library compiled and loaded per set; 8.5 s with an empty
+# kernel cache on a 2-core machine, 8.2 s of it in the compiler's processes). A dry lowering writes scalar
+# kernels (``cpp.simdlen = 1``), which take no vector set whatever the answer, so it does not ask: before,
+# the first one in this process and the first in each forked child asked at once (benchmark Llama, no
+# budget: its first forward lowered in 6.3 s here and 8.4 s in a child, the next ones in 0.9-1.6 s). The
+# real compile asks; ``check_cpu_isa_ahead`` starts the check in a thread when planning starts, beside it.
+_CPU_ISA_CHECK: list = []
+
+
+@contextlib.contextmanager
+def _no_cpu_isa_check():
+    """Inside the block, Inductor's C++ backend picks what ``cpp.simdlen = 1`` picks (no vector ISA)
+    without checking the CPU."""
+    from torch._inductor import cpu_vec_isa
+
+    own = cpu_vec_isa.pick_vec_isa
+    cpu_vec_isa.pick_vec_isa = lambda: cpu_vec_isa.invalid_vec_isa
+    try:
+        yield
+    finally:
+        cpu_vec_isa.pick_vec_isa = own
+
+
+def check_cpu_isa_ahead() -> None:
+    """Start Inductor's check of the CPU's vector instruction sets in a thread, once per process, unless
+    it is done; ``cpu_isa_checked`` waits for it."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    if _CPU_ISA_CHECK or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return
+
+    def check() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - the compile that needs the answer asks again and reports the failure
+            pass
+
+    thread = threading.Thread(target=check, name="fxremat-cpu-isa-check", daemon=True)
+    _CPU_ISA_CHECK.append(thread)
+    thread.start()
+
+
+def cpu_isa_checked() -> None:
+    """Wait for the check ``check_cpu_isa_ahead`` started, if any (before a compile that generates C++ kernels
+    asks for its answer: asked meanwhile, it would run again beside it)."""
+    if _CPU_ISA_CHECK:
+        _CPU_ISA_CHECK[0].join()
+
+
 def inductor_program_events(
     gm: torch.fx.GraphModule,
     *,
@@ -544,6 +598,7 @@ def inductor_program_events(
         V.set_fake_mode(fake_mode),
         torch.no_grad(),
         inductor_config.patch(scalar),
+        contextlib.nullcontext() if vectorized else _no_cpu_isa_check(),
         fusion_memory_at_hints(),
     ):
         compile_fx._recursive_post_grad_passes(gm, is_inference=False)

@@ -27,7 +27,9 @@ from ._torch_compat import (
     BoxedCodeGen,
     CustomPartitionerFn,
     aot_autograd,
+    check_cpu_isa_ahead,
     compile_fx,
+    cpu_isa_checked,
     copy_dynamo_graph,
     frame_compiles,
     fusing_at_hints,
@@ -125,6 +127,7 @@ def _keyed_by_program(compile_program: Callable) -> Callable:
     def compile_keyed(gm: fx.GraphModule, example_inputs, **kwargs):
         if not kwargs.get("is_backward"):
             returning_inputs_as_given(gm)
+        cpu_isa_checked()  # started when planning started (compile_inductor)
         with keyed_by_program():
             return compile_program(gm, example_inputs, **kwargs)
 
@@ -239,6 +242,11 @@ def build_compiler(options: Options, program_compiler: Callable | None = None) -
             # Buffer reuse holds a dead buffer until a later allocation of its size takes it:
             # GPT-2 4x256 (the demo), least plan, measured 53.4 MiB with it and 49.2 MiB without.
             patches["allow_buffer_reuse"] = False
+        if program_compiler is None and any(
+            isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs
+        ):
+            # Its C++ kernels need Inductor's check of the CPU, which dry lowerings skip: it runs beside planning.
+            check_cpu_isa_ahead()
         inner = fusing_at_hints(handing_over(program_compiler or _keyed_by_program(compile_fx.compile_fx_inner)))
         with no_autograd_cache():
             return compile_fx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
