@@ -50,9 +50,7 @@ def test_a_dry_lowering_writes_scalar_kernels_without_checking_the_cpu(monkeypat
     assert check.calls
 
 
-def test_the_real_compile_checks_the_cpu_in_a_thread_and_waits_for_it(monkeypatch, tmp_path):
-    # A fresh kernel cache: the real compile generates its kernels and asks for the check's answer.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_the_real_compile_checks_the_cpu_in_a_thread_and_waits_for_it(monkeypatch):
     check = _Check(seconds=0.5)
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", check)
     monkeypatch.setattr(_torch_compat, "_CPU_ISA_CHECK", [])
@@ -60,6 +58,7 @@ def test_the_real_compile_checks_the_cpu_in_a_thread_and_waits_for_it(monkeypatc
     model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
     x = torch.randn(16, 32)
     try:
+        # Without the FX graph cache the real compile generates its kernels, asking for the check's answer.
         with torch._inductor.config.patch(fx_graph_cache=False):
             torch.compile(model, backend="fxremat")(x).sum().backward()
     finally:
