@@ -18,8 +18,6 @@ rewrites them; this module decides, with the planner's own numbers:
   the other is dropped from ``fxremat.plans()``. The whole graph's plan is judged before any code
   is generated for it (``compile_scope.vetoing``): when the chunked one is planned, only the one that
   runs is compiled, and the whole plan, when it wins, is not searched again (``compile_scope.remembering``).
-  With ``on_infeasible="min"`` and the budget below an output the graph allocates, no plan of the
-  loss whole can fit: it is not planned, and the least plan runs chunked.
 
 Unless "off", logits the model returns leave the graph without a gradient path through it, chunked
 or not (``chunk_loss.chunk_losses``): the backward takes no logits-sized gradient of zeros for them.
@@ -34,7 +32,6 @@ import torch.fx as fx
 
 from ._torch_compat import copy_dynamo_graph
 from .budget import BudgetError, format_bytes
-from .graph_outputs import allocated_output_bytes, out_of_reach_at_once
 from .hardware import get_hardware
 from .options import Options
 from .passes.chunk_loss import (
@@ -95,11 +92,6 @@ def compile_choosing_chunks(
     counts = [chunk_count(site) for site in sites]
     if options.budget is None or max(counts) < 2:
         return _compile_sites(gm, example_inputs, options, sites, compile_one, 1, None)
-    if out_of_reach_at_once(options, allocated_output_bytes(gm)):
-        # No plan of the loss whole fits, so its least plan would be refused for the chunked one: it is not
-        # planned (GPT-2 with budget=1: 18 s of a 71 s first step, for the report's unchunked peak).
-        log.info("fxremat: an output alone is over the budget: the least-memory plan, the loss chunked")
-        return _compile_chunked(gm, example_inputs, options, sites, compile_one, None)
     source = copy_dynamo_graph(gm)
     extra = _extra_seconds(sites, options)
     logits = max(site.logits_bytes() for site in sites)

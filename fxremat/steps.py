@@ -30,7 +30,6 @@ import torch
 from ._torch_compat import FakeTensor, StorageWeakRef, copy_dynamo_graph, dynamo_context_now, fsdp_groups
 from .budget import BudgetError, format_bytes
 from .grads import on_hand_over
-from .graph_outputs import allocated_output_bytes, out_of_reach_at_once, output_bytes, output_values, returns_loss
 from .options import Options
 from .passes.chunk_loss import find_loss_sites, is_head_gradient
 from .plan import Plan
@@ -677,8 +676,8 @@ def _compile_alone(
     loss inside, and the first backward decides.
     """
     room = _caller_room(gm, options) if caller_room and graph.source is not None and not graph.user_reserve else 0
-    floor = allocated_output_bytes(gm) if options.budget is not None else 0
-    if room and out_of_reach_at_once(options, floor):
+    floor = _allocated_output_bytes(gm) if options.budget is not None else 0
+    if room and _out_of_reach_at_once(options, floor):
         room = 0  # no plan fits, with the room or without: planned for the least plan at once (_plan_alone)
     if room:
         roomy = dataclasses.replace(options, reserve=options.reserve + room, on_infeasible="error")
@@ -716,8 +715,8 @@ def _caller_room(gm: torch.fx.GraphModule, options: Options) -> int:
     the budget; else 0."""
     if options.budget is None:
         return 0
-    grads = [v for v in output_values(gm) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
-    if not grads or returns_loss(gm):
+    grads = [v for v in _output_values(gm) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
+    if not grads or _returns_loss(gm):
         return 0
     if not all(isinstance(v.numel(), int) for v in grads):
         return 0  # dynamic sizes: the first backward sizes the room from the gradient it is handed
@@ -737,7 +736,7 @@ def _plan_alone(
     the graph is planned for that, and the first backward checks it. Out of reach
     both ways, with ``on_infeasible="min"``: the least plan (``_least``), planned
     at once where an output alone is over the budget (``floor``: the largest output
-    the graph allocates, ``graph_outputs.allocated_output_bytes``).
+    the graph allocates, ``_allocated_output_bytes``).
     """
     if options.release_outputs is not None or graph.source is None:
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
@@ -748,7 +747,7 @@ def _plan_alone(
         dropped = dataclasses.replace(options, release_outputs=True)
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
         return _planned_released(graph, options, "the caller of another graph of this model drops its outputs")
-    if out_of_reach_at_once(options, floor):
+    if _out_of_reach_at_once(options, floor):
         # No plan peaks below an output the forward allocates: the least plan at once, without first
         # planning the refusal that a plan under the budget would need (GPT-2 with budget=1: 11.5 s).
         why = f"its outputs ({format_bytes(floor)} the largest) are over the budget alone: the least-memory plan"
@@ -767,7 +766,7 @@ def _plan_alone(
     # planning the graph that way again is wasted time (a scalar loss's graph, for one). Not with a
     # loss that can be chunked: its least plans with the outputs alive and dropped differed by more
     # than the outputs (the quickstart's GPT-2: 2.79 and 1.47 MiB, 1.16 MiB of outputs).
-    outputs = output_bytes(graph.source)
+    outputs = _output_bytes(graph.source)
     released_least = None
     chunkable = options.chunk_loss != "off" and bool(find_loss_sites(graph.source))
     if held_error.least_peak - outputs <= held_error.budget or chunkable:
@@ -801,12 +800,49 @@ def _least(
     callers that drop the outputs before the backward when it returns its loss and an output of
     ``LEAST_DROPPED_MIN_BYTES`` (``floor``: its largest), checked at the first backward; else with them
     alive (an upper bound)."""
-    if floor < LEAST_DROPPED_MIN_BYTES or not returns_loss(gm):
+    if floor < LEAST_DROPPED_MIN_BYTES or not _returns_loss(gm):
         graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, options)
         return options
     dropped = dataclasses.replace(options, release_outputs=True)
     graph.compiled, graph.plan = graph.compile_graph(gm, example_inputs, dropped)
     return _planned_released(graph, options, why)
+
+
+def _out_of_reach_at_once(options: Options, floor: int) -> bool:
+    """Whether the least plan is planned at once: ``on_infeasible="min"`` and a budget (less the reserve)
+    below ``floor``, an output the graph allocates, which no plan can fit under."""
+    return options.on_infeasible == "min" and options.budget is not None and options.budget - options.reserve < floor
+
+
+def _returns_loss(gm: torch.fx.GraphModule) -> bool:
+    """Whether one of the graph's outputs is a differentiable scalar (its loss), from Dynamo's example values."""
+    return any(
+        isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point() and _numel(v) == 1
+        for v in _output_values(gm)
+    )
+
+
+def _allocated_output_bytes(gm: torch.fx.GraphModule) -> int:
+    """The largest storage the graph allocates and returns (an output, or the tensor an output views, but
+    no input's), from Dynamo's example values: every plan's forward holds it when it returns, so none
+    peaks below it. 0 where sizes are symbolic."""
+    inputs = {
+        StorageWeakRef(v.untyped_storage())
+        for v in (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
+        if isinstance(v, torch.Tensor)
+    }
+    sizes = [
+        v.untyped_storage().nbytes()
+        for v in _output_values(gm)
+        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) not in inputs
+    ]
+    return max((n for n in sizes if isinstance(n, int)), default=0)
+
+
+def _numel(v: torch.Tensor) -> int:
+    """Elements of ``v``; 0 where its size is symbolic (no guard on it)."""
+    n = v.numel()
+    return n if isinstance(n, int) else 0
 
 
 def _with_released(error: BudgetError, outputs: int, released_least: int | None) -> BudgetError:
@@ -843,6 +879,19 @@ def _with_grads(error: BudgetError, grad_bytes: int, options: Options) -> Budget
         "then exceed the budget by up to that much)."
     )
     return error.explained(why)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    """Dynamo's example values of the graph's outputs."""
+    nodes: list[torch.fx.Node] = []
+    for out in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(out.args, nodes.append)
+    return [n.meta.get("example_value") for n in nodes]
+
+
+def _output_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of the graph's outputs, from Dynamo's example values (an upper bound: aliases counted apiece)."""
+    return sum(v.untyped_storage().nbytes() for v in _output_values(gm) if isinstance(v, torch.Tensor))
 
 
 def _planned_released(graph: TrackedGraph, options: Options, why: str, level: int = logging.INFO) -> Options:

@@ -571,35 +571,3 @@ def test_a_plan_set_aside_is_not_judged_for_its_report(monkeypatch):
     assert plan.chunked and not plan.feasible
     assert [lowered.peak for lowered in judged] == [plan.predicted_peak]
     assert plan.fastest_peak >= plan.predicted_peak > 0
-
-
-@pytest.mark.parametrize("returns_logits", [False, True])
-def test_a_budget_below_an_output_plans_the_least_plan_chunked_without_planning_the_loss_whole(
-    monkeypatch, returns_logits
-):
-    # budget=1 is below any output the graph allocates (the loss alone is 4 bytes): no plan of the loss
-    # whole fits, so the least plan runs chunked, as before, but one search makes it instead of two.
-    from fxremat import planner
-
-    searches = []
-    real = planner._choose
-    monkeypatch.setattr(planner, "_choose", lambda analysis, *a: searches.append(analysis) or real(analysis, *a))
-    x, y = _data()
-    torch.manual_seed(0)
-    ref_model = WithLogits() if returns_logits else WideLM()
-    model = copy.deepcopy(ref_model)
-    ref = ref_model(x, y)[0] if returns_logits else ref_model(x, y)
-    ref.backward()
-    torch._dynamo.reset()
-    fxremat.clear_plans()
-    compiled = torch.compile(model, backend="fxremat", options={"inner": "eager", "budget": 1, "on_infeasible": "min"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = compiled(x, y)
-        loss = out[0] if returns_logits else out
-        del out  # the logits dropped before the backward, as `model(**batch).loss.backward()` does
-        loss.backward()
-    compare(ref_model, ref, model, loss)
-    (plan,) = fxremat.plans()
-    assert plan.chunked and not plan.feasible
-    assert len(searches) == 1
