@@ -617,14 +617,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         pad_to = _chunk_rows(rows, chunks) if isinstance(rows, torch.SymInt) else None
         total = None
         lses = []
-        for start, end in _bounds(rows, chunks):
+        pieces = _row_pieces(safe, valid, _bounds(rows, chunks)) if pad_to is None else None
+        for k, (start, end) in enumerate(_bounds(rows, chunks)):
             z = _chunk_logits(hidden, weight, bias, logits, start, end, pad_to).float()
             lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(1, _rows_of(safe, start, end, pad_to).unsqueeze(1)).squeeze(1)
+            if pieces is None:
+                target, keep = _rows_of(safe, start, end, pad_to), _rows_of(valid, start, end, pad_to)
+            else:
+                target, keep = pieces(k)
+            picked = z.gather(1, target.unsqueeze(1)).squeeze(1)
             row_loss = lse - picked
             if smoothing:
                 row_loss = (1.0 - smoothing) * row_loss + smoothing * (lse - z.mean(dim=-1))
-            part = torch.where(_rows_of(valid, start, end, pad_to), row_loss, 0.0).sum()
+            part = torch.where(keep, row_loss, 0.0).sum()
             total = part if total is None else total + part
             lses.append(lse)
         assert total is not None
@@ -673,9 +678,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # With a head, the backward walks the vocabulary: each slice of the weight's gradient is made once
         # (nothing vocabulary x hidden is accumulated), the hidden states' gradient (tokens x hidden) is.
         grad_hidden, weight_parts, bias_parts = None, [], []
-        for start, end in _bounds(vocab, chunks):
+        slices = _bounds(vocab, chunks)
+        shifted = _shifted_targets(safe, slices)
+        for k, (start, end) in enumerate(slices):
             z = F.linear(hidden, weight[start:end], bias[start:end] if bias is not None else None)
-            g = _logits_grad(z, lse_all, safe, row_scale, start, smoothing, vocab)
+            if shifted is None:
+                g = _logits_grad(z, lse_all, safe, row_scale, start, smoothing, vocab)
+            else:
+                g = _logits_grad(z, lse_all, shifted(k), row_scale, 0, smoothing, vocab)
             if grad_logits is not None:
                 g = g + grad_logits[:, start:end]
             g = g.to(z.dtype)
@@ -695,14 +705,60 @@ def _logits_grad(z, lse, safe, row_scale, first_class, smoothing, vocab):
     """d loss / d z for logits ``z`` of classes ``first_class:first_class + z.shape[1]``, in fp32.
 
     ``softmax(z) - (1 - smoothing) * onehot(target) - smoothing / vocab``, times each row's scale
-    (0 for ignored rows).
+    (0 for ignored rows). ``safe``: each row's class (int64), or its class less ``first_class`` as
+    float64 (``_shifted_targets``, with ``first_class`` 0).
     """
     g = torch.exp(z.float() - lse.unsqueeze(1))
     if smoothing:
         g = g - smoothing / vocab
-    classes = torch.arange(first_class, first_class + z.shape[1], device=z.device)
+    classes = torch.arange(first_class, first_class + z.shape[1], device=z.device, dtype=safe.dtype)
     hit = (safe.unsqueeze(1) == classes.unsqueeze(0)).to(g.dtype)
     return (g - (1.0 - smoothing) * hit) * row_scale
+
+
+def _shifted_targets(safe: torch.Tensor, slices: list):
+    """Each slice of the vocabulary's targets less its first class, for ``_logits_grad``: a function of
+    the slice's index, or None (one slice, symbolic slices, or a device without float64).
+
+    Inductor writes the offset of a view, and a constant such as a slice's first class, into the code
+    of each kernel that reads it: a one-hot against ``arange(start, end)`` generates and compiles a
+    kernel per slice, the same loop each time (16 C++ compiles of 1.6-2 s each on a 2-core host for
+    the benchmark BERT's least plan). Here each slice's shifted targets come out of an extern matmul
+    (a row of the identity times the targets shifted for every slice, made once), a buffer of its
+    own: every slice of one width then runs the same kernel, compiled once.
+    """
+    n = len(slices)
+    first, last = slices[0], slices[-1]
+    if n < 2 or not all(isinstance(b, int) for b in (*first, *last)) or safe.device.type == "mps":
+        return None
+    # float64: exact for any class index, and no float32 matmul mode (TF32, bf16) applies to it.
+    starts = torch.arange(n, device=safe.device, dtype=torch.float64) * (first[1] - first[0])
+    shifted = safe.to(torch.float64).unsqueeze(0) - starts.unsqueeze(1)  # (slices, rows); slice k: class - start
+    return _picker(shifted, n)
+
+
+def _row_pieces(safe: torch.Tensor, valid: torch.Tensor, chunks: list):
+    """Each chunk of rows' (targets, valid mask), as ``_shifted_targets`` makes a slice's targets: out of an
+    extern matmul, so the forward's chunks of one size share a kernel; None where the chunks are not all
+    of one static size (or the device has no float64)."""
+    n = len(chunks)
+    rows = chunks[0][1] - chunks[0][0] if n and isinstance(chunks[0][1], int) else None
+    if n < 2 or rows is None or chunks[-1][1] != n * rows or safe.device.type == "mps":
+        return None
+    both = torch.cat([safe.to(torch.float64).view(n, rows), valid.to(torch.float64).view(n, rows)], dim=1)
+    pick = _picker(both, n)
+
+    def piece(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = pick(k)
+        return row[:rows].to(safe.dtype), row[rows:] != 0
+
+    return piece
+
+
+def _picker(matrix: torch.Tensor, n: int):
+    """Row ``k`` of the ``(n, m)`` float64 ``matrix`` as a buffer of its own: a row of the identity times it."""
+    pick = torch.eye(n, device=matrix.device, dtype=torch.float64)
+    return lambda k: (pick[k : k + 1] @ matrix).view(-1)
 
 
 def _chunk_logits(hidden, weight, bias, logits, start, end, pad_to=None):
