@@ -617,8 +617,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         pad_to = _chunk_rows(rows, chunks) if isinstance(rows, torch.SymInt) else None
         total = None
         lses = []
-        pieces = _row_pieces(safe, valid, _bounds(rows, chunks)) if pad_to is None else None
-        for k, (start, end) in enumerate(_bounds(rows, chunks)):
+        bounds = _bounds(rows, chunks)
+        pieces = _row_pieces(safe, valid, bounds) if pad_to is None else None
+        for k, (start, end) in enumerate(bounds):
             z = _chunk_logits(hidden, weight, bias, logits, start, end, pad_to).float()
             lse = torch.logsumexp(z, dim=-1)
             if pieces is None:
